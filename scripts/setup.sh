@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# scripts/setup.sh
+# Everything tbexp needs on a fresh Debian machine, idempotent: system packages (bubblewrap,
+# debootstrap), a Python 3.12 environment in .venv with tbexp installed, and the sandbox root
+# file system. scripts/run.sh and scripts/test.sh call it first; a second call takes seconds.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need_apt=()
+command -v bwrap >/dev/null || need_apt+=(bubblewrap)
+command -v debootstrap >/dev/null || need_apt+=(debootstrap)
+command -v prlimit >/dev/null || need_apt+=(util-linux)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  if [ "$(id -u)" != 0 ]; then
+    echo "tbexp setup: please install ${need_apt[*]} (apt-get install ${need_apt[*]}) or run as root" >&2
+    exit 1
+  fi
+  echo "installing ${need_apt[*]} ..." >&2
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+
+find_python() {
+  for candidate in python3.12 "$HOME"/.pyenv/versions/3.12*/bin/python3.12 /usr/bin/python3.12 /usr/local/bin/python3.12; do
+    if command -v "$candidate" >/dev/null 2>&1 && "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
+      command -v "$candidate"; return 0
+    fi
+  done
+  return 1
+}
+
+if [ ! -x .venv/bin/python ]; then
+  PY=$(find_python) || { echo "tbexp setup: Python 3.12 not found (tried python3.12 and pyenv's 3.12.x); install it first" >&2; exit 1; }
+  echo "creating .venv with $PY ..." >&2
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.tbexp-installed
+want=$(sha256sum pyproject.toml | cut -c1-16)
+if [ "$(cat $stamp 2>/dev/null)" != "$want" ]; then
+  echo "installing tbexp and its dependencies into .venv (torch is large: a few minutes the first time) ..." >&2
+  if ! { .venv/bin/python -m pip install -q --upgrade pip && .venv/bin/python -m pip install -q -e '.[dev]'; } >.venv/pip.log 2>&1 \
+     || ! .venv/bin/python -c 'import tbexp, hydra, torch, harbor'; then
+    grep -v "^WARNING: Location" .venv/pip.log | tail -30 >&2
+    echo "tbexp setup: installing into .venv failed (full log: .venv/pip.log)" >&2
+    exit 1
+  fi
+  echo "$want" > $stamp
+fi
+
+scripts/build_rootfs.sh

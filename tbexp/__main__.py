@@ -1,0 +1,46 @@
+"""`python -m tbexp`: compose the config, check it, seed, run one stage, return its objective.
+
+Heavy libraries (torch, docker, harbor) are imported by the stage that needs
+them, so composing or printing a config (`--cfg job`) stays fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import random
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+from tbexp.config import ConfigError, check, register
+
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+OBJECTIVE = "eval/reward"  # the number a sweep optimises: held-out reward
+
+register()
+log = logging.getLogger("tbexp")
+
+
+@hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
+def main(cfg: DictConfig) -> float:
+    from tbexp.policies import PolicyError
+    from tbexp.sandboxes.base import SandboxError
+    from tbexp.sandboxes.dockerfile import DockerfileError
+    from tbexp.tasks import TaskError
+
+    try:
+        check(cfg)
+        random.seed(cfg.seed)
+        stage = importlib.import_module(f"tbexp.stages.{cfg.stage.name}")
+        metrics = stage.run(cfg)
+    except (ConfigError, TaskError, PolicyError, SandboxError, DockerfileError) as err:
+        print(f"tbexp: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    return float(metrics[OBJECTIVE])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,204 @@
+"""Typed schemas for every config group, registered in Hydra's ConfigStore.
+
+Values live in `conf/`; this module only says which keys exist and their
+types, so `model.lora_rnak=8` fails with "Key 'lora_rnak' not in
+'ModelConfig'" instead of being silently ignored. Checks that need more than
+a type (ranges, bounds that must be ordered) run in `check()`, which the entry
+point calls right after composition, before any work starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+STAGES_IMPLEMENTED = ("eval",)
+POLICIES = ("oracle", "nop", "model")
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    path: str = ""  # HF Hub id or local directory; "" = the built-in tiny model
+    renderer: str = "plain"  # chat template that turns messages into tokens
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    max_length_tokens: int = 2048
+
+
+@dataclass
+class StageConfig:
+    name: str = "eval"  # which stage `python -m tbexp` runs
+
+
+@dataclass
+class RewardConfig:
+    name: str = "per_test"  # binary | per_test | per_test_efficiency
+    tests_weight: float = 0.8  # per_test_efficiency: weight of the per-test fraction
+    efficiency_weight: float = 0.2  # per_test_efficiency: weight of the bonus for faster successes
+
+
+@dataclass
+class TaskFilterConfig:
+    name: str = "solve_rate"  # solve_rate | none
+    lower: float = 0.1  # keep tasks with strict solve rate >= lower
+    upper: float = 0.8  # ... and <= upper
+    k: int = 8  # samples per candidate task
+
+
+@dataclass
+class BackendConfig:
+    name: str = "local"  # local | tinker
+    device: str = "auto"  # local: cpu | cuda | auto
+    base_url: str = ""  # tinker: a Tinker-compatible server; "" = the SDK's default
+
+
+@dataclass
+class TasksConfig:
+    source: str = "builtin"  # builtin | dir (a Harbor dataset directory)
+    path: str = ""  # source=dir: directory of task directories
+    cache_dir: str = "${oc.env:TBEXP_CACHE,${oc.env:HOME}/.cache/tbexp}/tasks"
+    seed: int = 0  # builtin: generation seed
+    train_per_family: int = 40
+    heldout_per_family: int = 4
+    split: str = "heldout"  # builtin: train | heldout
+    families: list[str] = field(default_factory=list)  # [] = all
+    limit: int = 0  # first N tasks after sorting; 0 = all
+
+
+@dataclass
+class SandboxConfig:
+    _target_: str = "tbexp.sandboxes.bwrap.BwrapSandbox"
+    name: str = "bwrap"
+    rootfs: str = "${oc.env:TBEXP_CACHE,${oc.env:HOME}/.cache/tbexp}/rootfs"  # bwrap: root file system (read-only)
+    base_image: str = "tbexp-base:bookworm"  # docker: tag the task Dockerfiles start FROM
+    command_timeout_s: float = 30.0  # one exec; the command is killed after this
+    output_limit_bytes: int = 65536  # one exec's stdout+stderr; beyond it the command is killed
+    pids_limit: int = 128  # processes and threads in one sandbox
+    memory_mb: int = 512
+    disk_mb: int = 256  # writable space: /app, /tmp, /logs together
+    cpus: float = 1.0  # docker: CPU quota
+    max_lifetime_s: float = 3600.0  # docker: a container removes itself after this, even if tbexp died
+
+
+@dataclass
+class AgentConfig:
+    _target_: str = "tbexp.agents.raw_command.RawCommandAgent"
+    name: str = "raw_command"
+    max_turns: int = 8
+    observation_limit_chars: int = 2000  # output shown back to the model per turn
+
+
+@dataclass
+class LoggerConfig:
+    name: str = "none"  # none | wandb; metrics.jsonl in the run directory is always written
+    project: str = "tbexp"
+
+
+@dataclass
+class EvalConfig:
+    n_runs: int = 3  # attempts per task; pass@1 is averaged over them
+    concurrency: int = 4  # episodes at once
+    save_episodes: int = 20  # transcripts kept under episodes/; 0 = none
+
+
+@dataclass
+class Config:
+    model: ModelConfig = MISSING
+    stage: StageConfig = MISSING
+    reward: RewardConfig = MISSING
+    task_filter: TaskFilterConfig = MISSING
+    backend: BackendConfig = MISSING
+    tasks: TasksConfig = MISSING
+    sandbox: SandboxConfig = MISSING
+    agent: AgentConfig = MISSING
+    logger: LoggerConfig = MISSING
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    policy: str = "oracle"  # oracle | nop | model (model needs a training backend)
+    seed: int = 0
+
+
+GROUPS = {
+    "model": ModelConfig,
+    "stage": StageConfig,
+    "reward": RewardConfig,
+    "task_filter": TaskFilterConfig,
+    "backend": BackendConfig,
+    "tasks": TasksConfig,
+    "sandbox": SandboxConfig,
+    "agent": AgentConfig,
+    "logger": LoggerConfig,
+}
+
+
+def register() -> None:
+    """Make `conf/config.yaml` typed: `base_config`, plus each group's schema under `schema/<group>`.
+
+    The group schemas live outside the groups themselves so that an unknown
+    choice (`reward=nonsense`) lists only real options.
+    """
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=Config)
+    for group, schema in GROUPS.items():
+        cs.store(group=f"schema/{group}", name=group, node=schema)
+    _allow_command_before_package_header()
+
+
+def _allow_command_before_package_header() -> None:
+    """Let a config file's first line be the command that runs it, with `# @package` after it.
+
+    Hydra reads `# @package` only from the leading `# @` lines and stops at
+    the first other comment, but our convention puts the command first. Plain
+    comment lines before the header are skipped; nothing else changes.
+    """
+    import re
+
+    from hydra.plugins.config_source import ConfigSource
+
+    original = ConfigSource._get_header_dict
+    if getattr(original, "_tbexp", False):
+        return
+
+    def header_dict(config_text: str) -> dict:
+        lines = config_text.splitlines()
+        while lines and (not lines[0].strip() or (lines[0].lstrip().startswith("#") and not re.match(r"^\s*#\s*@", lines[0]))):
+            lines.pop(0)
+        return original("\n".join(lines))
+
+    header_dict._tbexp = True
+    ConfigSource._get_header_dict = staticmethod(header_dict)
+
+
+class ConfigError(ValueError):
+    """A composed config whose values are well typed but unusable."""
+
+
+def check(cfg: Any) -> None:
+    """Refuse values no stage could run with, naming the key."""
+    if cfg.stage.name not in STAGES_IMPLEMENTED:
+        raise ConfigError(f"stage.name={cfg.stage.name!r}: implemented stages are {list(STAGES_IMPLEMENTED)}")
+    if cfg.policy not in POLICIES:
+        raise ConfigError(f"policy={cfg.policy!r}: choose one of {list(POLICIES)}")
+    f = cfg.task_filter
+    if not (0.0 <= f.lower <= 1.0 and 0.0 <= f.upper <= 1.0):
+        raise ConfigError(f"task_filter.lower={f.lower}, task_filter.upper={f.upper}: bounds must lie in [0, 1]")
+    if f.lower >= f.upper:
+        raise ConfigError(f"task_filter.lower={f.lower} must be below task_filter.upper={f.upper}")
+    if f.k < 1:
+        raise ConfigError(f"task_filter.k={f.k}: need at least one sample per task")
+    for key, value in (("eval.n_runs", cfg.eval.n_runs), ("eval.concurrency", cfg.eval.concurrency), ("agent.max_turns", cfg.agent.max_turns)):
+        if value < 1:
+            raise ConfigError(f"{key}={value}: must be at least 1")
+    if cfg.tasks.source not in ("builtin", "dir"):
+        raise ConfigError(f"tasks.source={cfg.tasks.source!r}: choose builtin or dir")
+    if cfg.tasks.source == "dir" and not cfg.tasks.path:
+        raise ConfigError("tasks.source=dir needs tasks.path=<directory of Harbor task directories>")
+    if cfg.tasks.split not in ("train", "heldout"):
+        raise ConfigError(f"tasks.split={cfg.tasks.split!r}: choose train or heldout")
+    if cfg.reward.name not in ("binary", "per_test", "per_test_efficiency"):
+        raise ConfigError(f"reward.name={cfg.reward.name!r}: choose binary, per_test or per_test_efficiency")

@@ -1,0 +1,68 @@
+"""Rewards: plain functions of test results.
+
+Every reward scores a *group* of attempts at one task (an eval task's n runs,
+or a GRPO group), because the efficiency bonus is relative to the group.
+Invalid episodes (broken sandbox or verifier) are never passed in: callers
+drop them first, so an infrastructure failure is not a score of 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tbexp.verifier import TestReport
+
+
+def binary(reports: Sequence[TestReport], turns: Sequence[int]) -> list[float]:
+    """1 when every test passed, else 0.
+
+    >>> from tbexp.verifier import TestReport
+    >>> binary([TestReport({"a": "passed", "b": "failed"}), TestReport({"a": "passed"})], [3, 2])
+    [0.0, 1.0]
+    """
+    return [1.0 if r.strict else 0.0 for r in reports]
+
+
+def per_test(reports: Sequence[TestReport], turns: Sequence[int]) -> list[float]:
+    """The fraction of the task's tests that pass.
+
+    >>> from tbexp.verifier import TestReport
+    >>> per_test([TestReport({"a": "passed", "b": "failed", "c": "passed", "d": "skipped"})], [1])
+    [0.6666666666666666]
+    """
+    return [r.fraction_passed for r in reports]
+
+
+def per_test_efficiency(reports: Sequence[TestReport], turns: Sequence[int], tests_weight: float = 0.8, efficiency_weight: float = 0.2) -> list[float]:
+    """Per-test fraction plus a bonus for the faster successes of the group.
+
+    Among the strict successes, the bonus falls linearly from 1 (fewest turns)
+    to 0 (most turns); when all successes took as many turns, each gets 1.
+    Failures get no bonus. The published recipe weights these 0.8 / 0.2.
+
+    >>> from tbexp.verifier import TestReport
+    >>> ok, half = TestReport({"a": "passed"}), TestReport({"a": "passed", "b": "failed"})
+    >>> [round(x, 3) for x in per_test_efficiency([ok, ok, half], [2, 4, 1])]
+    [1.0, 0.8, 0.4]
+    """
+    wins = [t for r, t in zip(reports, turns) if r.strict]
+    fewest, most = (min(wins), max(wins)) if wins else (0, 0)
+    scores = []
+    for report, n_turns in zip(reports, turns):
+        bonus = 0.0
+        if report.strict:
+            bonus = 1.0 if most == fewest else (most - n_turns) / (most - fewest)
+        scores.append(tests_weight * report.fraction_passed + efficiency_weight * bonus)
+    return scores
+
+
+def score_group(settings: Any, reports: Sequence[TestReport], turns: Sequence[int]) -> list[float]:
+    """Apply the reward named by the `reward` config node to one group."""
+    if settings.name == "binary":
+        return binary(reports, turns)
+    if settings.name == "per_test":
+        return per_test(reports, turns)
+    if settings.name == "per_test_efficiency":
+        return per_test_efficiency(reports, turns, settings.tests_weight, settings.efficiency_weight)
+    raise ValueError(f"reward.name={settings.name!r}: choose binary, per_test or per_test_efficiency")
