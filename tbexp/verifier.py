@@ -30,6 +30,8 @@ class VerifierError(RuntimeError):
 
 @dataclass(frozen=True)
 class TestReport:
+    __test__ = False  # not a pytest test class, despite its name
+
     tests: dict[str, str] = field(default_factory=dict)  # test name -> passed | failed | skipped
     rewards: dict[str, float] = field(default_factory=dict)  # reward.json / reward.txt, as written by the task
     log_tail: str = ""

@@ -1,0 +1,181 @@
+"""The bubblewrap sandbox: the interface, isolation, and the limits an abusive agent runs into."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from tbexp.sandboxes.base import OUTPUT_LIMIT_EXIT, TIMEOUT_EXIT, SandboxError
+from tbexp.sandboxes.bwrap import BwrapSandbox
+from tests.conftest import REPO, leftover_state
+
+pytestmark = pytest.mark.sandbox
+
+
+@pytest.fixture
+def sandbox(sandbox_settings, demo_task):
+    before = leftover_state()
+    box = BwrapSandbox(sandbox_settings, demo_task)
+    box.start()
+    yield box
+    box.stop()
+    assert leftover_state() == before, "the sandbox left processes, directories or cgroups behind"
+
+
+def test_exec_runs_in_the_workdir_with_the_task_files(sandbox):
+    result = sandbox.exec("pwd; cat input.txt; id -u; exit 3")
+    assert result.output == "/app\nhello\n0\n" and result.exit_code == 3 and not result.timed_out
+
+
+def test_upload_and_download_round_trip(sandbox, tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "x.txt").write_text("payload")
+    sandbox.upload(tmp_path / "d", "/tmp/up")
+    assert sandbox.exec("cat /tmp/up/x.txt").output == "payload"
+    sandbox.exec("mkdir -p /app/res && echo 42 > /app/res/n.txt")
+    sandbox.download("/app/res", tmp_path / "back")
+    assert (tmp_path / "back" / "n.txt").read_text() == "42\n"
+    with pytest.raises(SandboxError):
+        sandbox.upload(tmp_path / "d", "/etc/evil")
+    with pytest.raises(FileNotFoundError):
+        sandbox.download("/app/missing", tmp_path / "m")
+
+
+def test_download_does_not_follow_a_symlink_out(sandbox, tmp_path):
+    sandbox.exec("ln -s /etc/shadow /app/leak; mkdir /app/d; ln -s /etc /app/d/etc")
+    with pytest.raises(FileNotFoundError):
+        sandbox.download("/app/leak", tmp_path / "leak")
+    sandbox.download("/app/d", tmp_path / "d")
+    assert (tmp_path / "d" / "etc").is_symlink()  # copied as a link, never followed
+
+
+def test_root_is_read_only_and_host_files_are_invisible(sandbox):
+    assert sandbox.exec("touch /usr/x").exit_code != 0
+    result = sandbox.exec(f"ls {REPO} /work /root/.cache 2>&1; cat /etc/hostname")
+    assert "No such file" in result.output and "pyproject" not in result.output
+
+
+def test_rm_rf_root_hurts_only_the_sandbox(sandbox, tmp_path):
+    marker = tmp_path / "host-marker"
+    marker.write_text("still here")
+    result = sandbox.exec("rm -rf / --no-preserve-root 2>/dev/null; ls -A /app | wc -l")
+    assert result.exit_code == 0 and result.output.strip() == "0"
+    assert marker.read_text() == "still here" and (REPO / "pyproject.toml").exists()
+    assert sandbox.exec("echo alive").output == "alive\n"
+
+
+def test_endless_loop_times_out(sandbox):
+    started = time.monotonic()
+    result = sandbox.exec("while true; do :; done", timeout_s=1.0)
+    assert result.timed_out and result.exit_code == TIMEOUT_EXIT and time.monotonic() - started < 5
+
+
+def test_output_flood_is_cut(sandbox, sandbox_settings):
+    result = sandbox.exec("yes flood")
+    assert result.output_truncated and result.exit_code == OUTPUT_LIMIT_EXIT
+    assert len(result.output) <= sandbox_settings.output_limit_bytes
+
+
+def test_fork_bomb_is_contained(sandbox):
+    result = sandbox.exec(":(){ :|:& };:; sleep 2", timeout_s=4)
+    assert result.exit_code in (0, TIMEOUT_EXIT, 254) or result.output  # a verdict, whichever comes first
+    assert sandbox.exec("echo alive").output == "alive\n"
+    pid = os.fork()  # the host can still fork
+    if pid == 0:
+        os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+
+
+def test_process_limit_holds(sandbox, sandbox_settings):
+    result = sandbox.exec("for i in $(seq 200); do sleep 5 & done; echo spawned", timeout_s=3)
+    assert "fork" in result.output, "200 background sleeps should hit pids_limit=64"
+
+
+def test_memory_limit_holds(sandbox):
+    result = sandbox.exec("python3 -c 'x = bytearray(1024 * 2**20); x[::4096] = b\"1\" * len(x[::4096]); print(\"allocated\")'")
+    assert "allocated" not in result.output and result.exit_code != 0
+
+
+def test_filling_the_disk_stops_at_the_limit(sandbox):
+    result = sandbox.exec("dd if=/dev/zero of=/app/fill bs=1M count=500 2>&1; du -sm /app | cut -f1")
+    assert int(result.output.strip().splitlines()[-1]) <= 64
+    assert sandbox.exec("rm /app/fill && echo freed").output == "freed\n"
+
+
+def test_no_network_not_even_the_hosts_loopback(sandbox):
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    server.settimeout(3)
+    port = server.getsockname()[1]
+    result = sandbox.exec(f"python3 -c \"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=2)\" 2>&1")
+    assert "Connection refused" in result.output or "unreachable" in result.output
+    with pytest.raises(TimeoutError):
+        server.accept()  # nothing ever arrived
+    server.close()
+
+
+def test_kill_everything_kills_only_the_sandbox(sandbox):
+    result = sandbox.exec("kill -9 -1; echo after")
+    assert result.exit_code in (0, 137)
+    assert os.getpid() and sandbox.exec("echo alive").output == "alive\n"
+
+
+def test_background_processes_do_not_outlive_their_exec(sandbox):
+    import subprocess
+
+    assert sandbox.exec("sleep 3017 & echo started").output == "started\n"
+    assert sandbox.exec("cat /proc/[0-9]*/cmdline | tr '\\0' ' ' | grep -c 'sleep [3]017' || true").output.strip() == "0"
+    assert subprocess.run(["pgrep", "-f", "sleep 3017"], capture_output=True).returncode == 1  # not on the host either
+
+
+def test_sandboxes_do_not_see_each_other(sandbox_settings, demo_task):
+    with BwrapSandbox(sandbox_settings, demo_task) as a, BwrapSandbox(sandbox_settings, demo_task) as b:
+        a.exec("echo a > /app/mine.txt; echo a > /tmp/t")
+        assert b.exec("cat /app/mine.txt /tmp/t 2>&1").exit_code != 0
+
+
+def test_missing_rootfs_is_a_clear_error(sandbox_settings, demo_task, tmp_path):
+    sandbox_settings.rootfs = str(tmp_path / "nothing")
+    box = BwrapSandbox(sandbox_settings, demo_task)
+    with pytest.raises(SandboxError, match="build_rootfs"):
+        box.start()
+    box.stop()
+
+
+def test_unsupported_dockerfile_points_at_docker(sandbox_settings, demo_task):
+    from tbexp.sandboxes.dockerfile import DockerfileError
+
+    dockerfile = demo_task.environment_dir / "Dockerfile"
+    dockerfile.write_text("FROM tbexp-base:bookworm\nRUN apt-get install -y cowsay\n")
+    with pytest.raises(DockerfileError, match="Dockerfile:2: RUN .* sandbox=docker"):
+        BwrapSandbox(sandbox_settings, demo_task).start()
+
+
+def test_start_reaps_what_a_dead_process_left(sandbox_settings, demo_task):
+    import subprocess
+    import sys
+
+    from tbexp.sandboxes.bwrap import WORK_PARENT
+    from tbexp.sandboxes.cgroup import leftover_cgroups
+
+    code = (
+        "import os, sys\nfrom tests.conftest import compose_config\nfrom tbexp.tasks import load_task\n"
+        "from tbexp.sandboxes.bwrap import BwrapSandbox\n"
+        f"box = BwrapSandbox(compose_config().sandbox, load_task({str(demo_task.path)!r}))\nbox.start()\n"
+        "print(box.id, flush=True)\nos._exit(0)  # dies without stop()\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    dead_id = out.stdout.strip()
+    assert dead_id and (WORK_PARENT / dead_id).exists()
+    import tbexp.sandboxes.bwrap as bwrap_module
+
+    bwrap_module._reaped = False
+    with BwrapSandbox(sandbox_settings, demo_task):
+        pass
+    assert not (WORK_PARENT / dead_id).exists()
+    assert all(g.dirs[0].name != dead_id for g in leftover_cgroups())

@@ -1,0 +1,111 @@
+"""Every experiment composes; bad keys, choices and values fail with messages that name them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from hydra.errors import ConfigCompositionException
+
+from tbexp.config import ConfigError, check
+from tests.conftest import CONF, REPO, compose_config
+
+EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+GROUP_OPTIONS = sorted((p.parent.name, p.stem) for p in CONF.glob("*/*.yaml") if p.parent.name != "experiment")
+
+
+def test_there_are_experiments():
+    assert "eval" in EXPERIMENTS
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_every_experiment_composes_and_checks(name):
+    cfg = compose_config(f"+experiment={name}")
+    check(cfg)
+
+
+@pytest.mark.parametrize("group,option", GROUP_OPTIONS)
+def test_every_group_option_composes(group, option):
+    overrides = [f"{group}={option}"]
+    if (group, option) == ("tasks", "dir"):
+        overrides.append("tasks.path=/somewhere")
+    cfg = compose_config(*overrides)
+    assert cfg[group] is not None
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_experiment_file_starts_with_its_command_and_is_global(name):
+    lines = (CONF / "experiment" / f"{name}.yaml").read_text().splitlines()
+    assert lines[0] == f"# python -m tbexp +experiment={name}" or lines[0].startswith(f"# python -m tbexp +experiment={name} ")
+    assert "# @package _global_" in lines[:3]
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_cfg_job_prints_each_experiment(name):
+    out = subprocess.run([sys.executable, "-m", "tbexp", "--cfg", "job", f"+experiment={name}"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "stage:" in out.stdout and "sandbox:" in out.stdout
+
+
+def test_misspelt_key_names_the_key():
+    with pytest.raises(ConfigCompositionException) as err:
+        compose_config("model.lora_rnak=8")
+    assert "lora_rnak" in str(err.value.__cause__ or err.value)
+
+
+def test_misspelt_key_on_command_line_names_the_key():
+    out = subprocess.run([sys.executable, "-m", "tbexp", "model.lora_rnak=8"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "lora_rnak" in out.stderr and "ModelConfig" in out.stderr
+
+
+def test_unknown_choice_lists_the_options():
+    out = subprocess.run([sys.executable, "-m", "tbexp", "reward=nonsense"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "reward/nonsense" in out.stderr
+    for option in ("binary", "per_test", "per_test_efficiency"):
+        assert option in out.stderr
+    assert "schema" not in out.stderr.split("Available options")[1].split("Config search path")[0]
+
+
+def test_wrong_type_is_refused():
+    with pytest.raises(ConfigCompositionException):
+        compose_config("eval.n_runs=three")
+
+
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        (["task_filter.lower=0.8", "task_filter.upper=0.8"], "must be below"),
+        (["task_filter.lower=0.9", "task_filter.upper=0.2"], "must be below"),
+        (["task_filter.upper=1.5"], "[0, 1]"),
+        (["task_filter.k=0"], "task_filter.k"),
+        (["eval.n_runs=0"], "eval.n_runs"),
+        (["policy=oracel"], "policy"),
+        (["tasks.split=validation"], "tasks.split"),
+    ],
+)
+def test_unusable_values_are_refused_by_check(overrides, needle):
+    cfg = compose_config(*overrides)
+    with pytest.raises(ConfigError) as err:
+        check(cfg)
+    assert needle in str(err.value)
+
+
+def test_bad_bounds_stop_the_command_before_any_work(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "tbexp", "task_filter.lower=0.9", "task_filter.upper=0.1", f"hydra.run.dir={tmp_path}/run"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "task_filter.lower=0.9 must be below task_filter.upper=0.1" in out.stderr
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
+def test_unimplemented_stage_is_not_pretended():
+    cfg = compose_config("stage.name=grpo")
+    with pytest.raises(ConfigError, match="implemented stages"):
+        check(cfg)
+
+
+def test_experiment_must_be_added_not_overridden():
+    with pytest.raises(ConfigCompositionException):
+        compose_config("experiment=eval")  # `experiment` is not in the defaults list: needs `+`

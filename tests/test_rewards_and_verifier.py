@@ -1,0 +1,85 @@
+"""Rewards and the verifier's parsing, against hand-computed numbers."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from tbexp.rewards import binary, per_test, per_test_efficiency, score_group
+from tbexp.verifier import FAILED, PASSED, SKIPPED, TestReport, VerifierError, read_results
+
+FULL = TestReport({"a": PASSED, "b": PASSED, "c": PASSED})
+TWO_OF_THREE = TestReport({"a": PASSED, "b": PASSED, "c": FAILED})
+NONE = TestReport({"a": FAILED, "b": FAILED, "c": FAILED})
+
+
+def test_binary_and_per_test():
+    assert binary([FULL, TWO_OF_THREE, NONE], [1, 1, 1]) == [1.0, 0.0, 0.0]
+    assert per_test([FULL, TWO_OF_THREE, NONE], [1, 1, 1]) == [1.0, pytest.approx(2 / 3), 0.0]
+
+
+def test_skipped_tests_do_not_count():
+    report = TestReport({"a": PASSED, "b": SKIPPED})
+    assert report.n_total == 1 and report.strict and per_test([report], [1]) == [1.0]
+
+
+def test_efficiency_bonus_goes_to_faster_successes_only():
+    # successes took 2, 3 and 6 turns: bonus 1, 0.75, 0; the failure gets none.
+    scores = per_test_efficiency([FULL, FULL, FULL, TWO_OF_THREE], [2, 3, 6, 1])
+    assert scores == [pytest.approx(1.0), pytest.approx(0.8 + 0.2 * 0.75), pytest.approx(0.8), pytest.approx(0.8 * 2 / 3)]
+
+
+def test_efficiency_weights_are_configurable_and_equal_turns_share_the_bonus():
+    scores = per_test_efficiency([FULL, FULL], [4, 4], tests_weight=0.5, efficiency_weight=0.5)
+    assert scores == [1.0, 1.0]
+    settings = SimpleNamespace(name="per_test_efficiency", tests_weight=0.6, efficiency_weight=0.4)
+    assert score_group(settings, [FULL, NONE], [3, 3]) == [pytest.approx(1.0), 0.0]
+
+
+def test_unknown_reward_is_refused():
+    with pytest.raises(ValueError, match="reward.name"):
+        score_group(SimpleNamespace(name="vibes"), [FULL], [1])
+
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" tests="4">
+<testcase classname="test_outputs" name="test_a" /><testcase classname="test_outputs" name="test_b"><failure message="x"/></testcase>
+<testcase classname="test_outputs" name="test_c"><skipped/></testcase><testcase classname="test_outputs" name="test_d"><error message="e"/></testcase>
+</testsuite></testsuites>"""
+
+
+def test_reads_junit(tmp_path):
+    (tmp_path / "junit.xml").write_text(JUNIT)
+    (tmp_path / "reward.txt").write_text("0\n")
+    report = read_results(tmp_path)
+    assert report.tests == {"test_outputs::test_a": PASSED, "test_outputs::test_b": FAILED, "test_outputs::test_c": SKIPPED, "test_outputs::test_d": FAILED}
+    assert (report.n_passed, report.n_total, report.strict) == (1, 3, False)
+    assert report.rewards == {"reward": 0.0}
+
+
+def test_ctrf_wins_over_junit(tmp_path):
+    ctrf = {"results": {"summary": {"tests": 2}, "tests": [{"name": "t1", "status": "passed"}, {"name": "t2", "status": "passed"}]}}
+    (tmp_path / "ctrf.json").write_text(json.dumps(ctrf))
+    (tmp_path / "junit.xml").write_text(JUNIT)
+    report = read_results(tmp_path)
+    assert report.tests == {"t1": PASSED, "t2": PASSED} and report.strict
+
+
+def test_reward_json_without_tests_is_the_fraction(tmp_path):
+    (tmp_path / "reward.json").write_text('{"reward": 0.25, "speed": 3}')
+    report = read_results(tmp_path)
+    assert report.fraction_passed == 0.25 and not report.strict and report.rewards["speed"] == 3.0
+
+
+@pytest.mark.parametrize("name,content", [("reward.txt", "lots"), ("reward.txt", "nan"), ("reward.json", '{"reward": "high"}'), ("reward.json", "[1]")])
+def test_bad_reward_files_are_verifier_errors(tmp_path, name, content):
+    (tmp_path / name).write_text(content)
+    with pytest.raises(VerifierError, match=name):
+        read_results(tmp_path)
+
+
+def test_no_results_at_all_is_a_verifier_error(tmp_path):
+    (tmp_path / "test-stdout.txt").write_text("bash: /tests/test.sh: line 3: pytest: command not found\n")
+    with pytest.raises(VerifierError, match="no reward file"):
+        read_results(tmp_path, "demo")
