@@ -1,0 +1,97 @@
+"""The training-backend interface, shaped like Tinker's primitives.
+
+Training loops are written once against this interface and run unchanged
+on `backend=local` (transformers + peft in this process) and
+`backend=tinker` (the Tinker service). Data is `tinker.types`: a `Datum`
+holds `model_input` (tokens[:-1]) and `loss_fn_inputs` (`target_tokens`,
+`weights` for cross-entropy; `target_tokens`, `logprobs`, `advantages` for
+the RL losses). Position i of `model_input` predicts `target_tokens[i]`.
+
+Calls return futures (objects with `.result()`), as Tinker's do, so a loop
+can submit `forward_backward` and `optim_step` before waiting on either; a
+local backend may do the work eagerly and return a finished future. Losses
+are **sums** over tokens, never means, exactly as Tinker defines them:
+
+* `cross_entropy`: −Σ w·logp(target)
+* `importance_sampling`: −Σ exp(logp − q)·A, with q the sampler's logprobs
+* `ppo`: −Σ min(r·A, clip(r, 1−ε_low, 1+ε_high)·A), r = exp(logp − q);
+  thresholds from `loss_fn_config` (`clip_low_threshold`, `clip_high_threshold`,
+  default 0.8 / 1.2 as absolute ratio bounds).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar
+
+from tinker import types
+
+T = TypeVar("T")
+LOSSES = ("cross_entropy", "importance_sampling", "ppo")
+
+
+class Future(Protocol[T]):
+    def result(self) -> T: ...
+
+
+@dataclass
+class Done(Generic[T]):
+    """A future that is already resolved (local work runs eagerly)."""
+
+    value: T
+
+    def result(self) -> T:
+        return self.value
+
+
+@dataclass
+class ForwardBackwardResult:
+    loss: float  # the summed loss of the batch
+    n_tokens: float  # Σ weights (cross_entropy) or number of target tokens (RL losses)
+    logprobs: list[list[float]] = field(default_factory=list)  # per datum, logp of each target token
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class SampledSequence:
+    tokens: list[int]
+    logprobs: list[float]  # logp of each sampled token under the *untempered* model (as Tinker reports)
+    stop_reason: str  # "stop" (a stop sequence or EOS) | "length"
+
+
+class Sampler(abc.ABC):
+    """Samples from a fixed set of weights (a snapshot: later training does not change it)."""
+
+    @abc.abstractmethod
+    def sample(self, prompt: types.ModelInput, num_samples: int, params: types.SamplingParams) -> Future[list[SampledSequence]]: ...
+
+
+class TrainingBackend(abc.ABC):
+    """One trainable model (LoRA or full) plus its optimizer state."""
+
+    tokenizer: Any  # a Hugging Face tokenizer for the base model
+
+    @abc.abstractmethod
+    def forward_backward(self, data: list[types.Datum], loss_fn: str, loss_fn_config: dict[str, float] | None = None) -> Future[ForwardBackwardResult]:
+        """Add this batch's gradients (they accumulate until `optim_step`)."""
+
+    @abc.abstractmethod
+    def optim_step(self, adam: types.AdamParams) -> Future[dict[str, float]]:
+        """One AdamW step with Tinker's `AdamParams` fields; clears the gradients."""
+
+    @abc.abstractmethod
+    def sampler(self) -> Sampler:
+        """A sampler over the current weights (Tinker: save_weights_and_get_sampling_client)."""
+
+    @abc.abstractmethod
+    def save_state(self, name: str) -> str:
+        """Save weights, optimizer state, step and RNG; return a path or `tinker://` URI."""
+
+    @abc.abstractmethod
+    def load_state(self, path: str) -> None:
+        """Restore what `save_state` saved, exactly."""
+
+    def export_adapter(self, path: str) -> str:
+        """Write a LoRA adapter that `PeftModel.from_pretrained(base, path)` loads."""
+        raise NotImplementedError(f"{type(self).__name__} cannot export adapters")

@@ -1,0 +1,111 @@
+"""`backend=tinker`: the Tinker service through its SDK, behind tbexp's backend interface.
+
+The SDK already has the right shape; this adapter only maps its outputs to
+`ForwardBackwardResult` / `SampledSequence`, keeps futures unresolved so a
+loop can pipeline `forward_backward` and `optim_step`, and refuses settings
+the service cannot honour (full fine-tuning, LoRA dropout, per-module
+targets beyond attention / MLP / unembedding) instead of ignoring them.
+Checkpoints are `tinker://` URIs; a run resumes from one with its optimizer.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from tinker import types
+
+from tbexp.backends.base import LOSSES, ForwardBackwardResult, Future, SampledSequence, Sampler, TrainingBackend
+
+ATTENTION = {"q_proj", "k_proj", "v_proj", "o_proj"}
+MLP = {"gate_proj", "up_proj", "down_proj", "mlp", "experts"}
+
+
+class BackendError(RuntimeError):
+    """A backend that cannot start with these settings; the message says what to change."""
+
+
+@dataclass
+class _Mapped:
+    """A future whose result is converted when it is finally asked for."""
+
+    future: Any
+    convert: Callable[[Any], Any]
+
+    def result(self) -> Any:
+        return self.convert(self.future.result())
+
+
+class TinkerBackend(TrainingBackend):
+    def __init__(self, base_model: str, *, lora_rank: int, lora_dropout: float = 0.0, lora_targets: list[str] | None = None, seed: int = 0, base_url: str = "", load_checkpoint: str = "", service_client: Any = None):
+        if lora_rank <= 0:
+            raise BackendError("backend=tinker trains LoRA adapters only: set model.lora_rank > 0")
+        if lora_dropout:
+            raise BackendError(f"backend=tinker has no LoRA dropout: set model.lora_dropout=0 (got {lora_dropout})")
+        targets = set(lora_targets or ATTENTION | MLP)
+        unknown = targets - ATTENTION - MLP - {"lm_head", "unembed"}
+        if unknown:
+            raise BackendError(f"backend=tinker chooses LoRA modules only as attention / MLP / unembedding; cannot target {sorted(unknown)}")
+        if service_client is None:
+            service_client = _connect(base_url)
+        if load_checkpoint.startswith("tinker://"):
+            self.client = service_client.create_training_client_from_state_with_optimizer(load_checkpoint).result()
+        else:
+            self.client = service_client.create_lora_training_client(
+                base_model, rank=lora_rank, seed=seed, train_attn=bool(targets & ATTENTION), train_mlp=bool(targets & MLP), train_unembed=bool(targets & {"lm_head", "unembed"}) or lora_targets is None
+            ).result()
+        self.tokenizer = self.client.get_tokenizer()
+
+    def forward_backward(self, data: list[types.Datum], loss_fn: str, loss_fn_config: dict[str, float] | None = None) -> Future[ForwardBackwardResult]:
+        if loss_fn not in LOSSES:
+            raise ValueError(f"loss_fn={loss_fn!r}: choose one of {LOSSES}")
+        n_tokens = sum(_n_tokens(d, loss_fn) for d in data)
+        return _Mapped(self.client.forward_backward(data, loss_fn, loss_fn_config), lambda out: _fb_result(out, n_tokens))
+
+    def optim_step(self, adam: types.AdamParams) -> Future[dict[str, float]]:
+        return _Mapped(self.client.optim_step(adam), lambda out: dict(out.metrics or {}))
+
+    def sampler(self) -> Sampler:
+        return TinkerSampler(self.client.save_weights_and_get_sampling_client().result())
+
+    def save_state(self, name: str) -> str:
+        return self.client.save_state(name).result().path
+
+    def load_state(self, path: str) -> None:
+        if not path.startswith("tinker://"):
+            raise BackendError(f"backend=tinker resumes only from tinker:// checkpoints, not {path!r}")
+        self.client.load_state_with_optimizer(path).result()
+
+
+class TinkerSampler(Sampler):
+    def __init__(self, client: Any):
+        self.client = client
+
+    def sample(self, prompt: types.ModelInput, num_samples: int, params: types.SamplingParams) -> Future[list[SampledSequence]]:
+        def convert(response: Any) -> list[SampledSequence]:
+            return [SampledSequence(list(s.tokens), list(s.logprobs or []), str(s.stop_reason)) for s in response.sequences]
+
+        return _Mapped(self.client.sample(prompt=prompt, num_samples=num_samples, sampling_params=params), convert)
+
+
+def _connect(base_url: str) -> Any:
+    if not os.environ.get("TINKER_API_KEY"):
+        raise BackendError("backend=tinker needs TINKER_API_KEY: export TINKER_API_KEY=tml-... (from the Tinker console), or use backend=local")
+    import tinker
+
+    return tinker.ServiceClient(base_url=base_url or None)
+
+
+def _n_tokens(datum: types.Datum, loss_fn: str) -> float:
+    inputs = datum.loss_fn_inputs
+    if loss_fn == "cross_entropy" and "weights" in inputs:
+        return float(sum(inputs["weights"].tolist()))
+    return float(len(inputs["target_tokens"].tolist()))
+
+
+def _fb_result(output: Any, n_tokens: float) -> ForwardBackwardResult:
+    metrics = dict(output.metrics or {})
+    logprobs = [o["logprobs"].tolist() for o in output.loss_fn_outputs if "logprobs" in o]
+    loss = metrics.get("loss:sum", float("nan"))
+    return ForwardBackwardResult(loss=float(loss), n_tokens=n_tokens, logprobs=logprobs, metrics=metrics)
