@@ -39,7 +39,7 @@ def main(cfg: DictConfig) -> float:
     except (ConfigError, TaskError, PolicyError, SandboxError, DockerfileError) as err:
         print(f"tbexp: {err}", file=sys.stderr)
         raise SystemExit(2) from None
-    return float(metrics[OBJECTIVE])
+    return float(metrics.get(OBJECTIVE, float("nan")))  # stages without a held-out score give no objective
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-STAGES_IMPLEMENTED = ("eval",)
+STAGES_IMPLEMENTED = ("eval", "collect")
 POLICIES = ("oracle", "nop", "model")
 
 
@@ -108,6 +108,14 @@ class EvalConfig:
 
 
 @dataclass
+class CollectConfig:
+    split: str = "train"  # which built-in split to collect on
+    n_runs: int = 1  # episodes per task; only verified successes are kept
+    concurrency: int = 4
+    data: str = ""  # where to write the jsonl; "" = trajectories.jsonl in the run directory
+
+
+@dataclass
 class Config:
     model: ModelConfig = MISSING
     stage: StageConfig = MISSING
@@ -119,6 +127,7 @@ class Config:
     agent: AgentConfig = MISSING
     logger: LoggerConfig = MISSING
     eval: EvalConfig = field(default_factory=EvalConfig)
+    collect: CollectConfig = field(default_factory=CollectConfig)
     policy: str = "oracle"  # oracle | nop | model (model needs a training backend)
     seed: int = 0
 
@@ -198,7 +207,8 @@ def check(cfg: Any) -> None:
         raise ConfigError(f"tasks.source={cfg.tasks.source!r}: choose builtin or dir")
     if cfg.tasks.source == "dir" and not cfg.tasks.path:
         raise ConfigError("tasks.source=dir needs tasks.path=<directory of Harbor task directories>")
-    if cfg.tasks.split not in ("train", "heldout"):
-        raise ConfigError(f"tasks.split={cfg.tasks.split!r}: choose train or heldout")
+    for key, split in (("tasks.split", cfg.tasks.split), ("collect.split", cfg.collect.split)):
+        if split not in ("train", "heldout"):
+            raise ConfigError(f"{key}={split!r}: choose train or heldout")
     if cfg.reward.name not in ("binary", "per_test", "per_test_efficiency"):
         raise ConfigError(f"reward.name={cfg.reward.name!r}: choose binary, per_test or per_test_efficiency")

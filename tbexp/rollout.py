@@ -96,11 +96,14 @@ def _lap(episode: Episode, phase: str, since: float) -> float:
 
 def run_episodes(jobs: Iterable[tuple[Task, int]], concurrency: int, run_one: Callable[[Task, int], Episode], on_done: Callable[[Episode], None] | None = None, desc: str = "episodes") -> list[Episode]:
     """Run `run_one(task, run)` for every job, `concurrency` at a time, with a progress bar."""
+    import sys
+
     from tqdm import tqdm
 
     jobs = list(jobs)
     episodes: list[Episode] = []
-    with ThreadPoolExecutor(max_workers=concurrency) as pool, tqdm(total=len(jobs), desc=desc, unit="ep", dynamic_ncols=True) as bar:
+    refresh_s = 0.2 if sys.stderr.isatty() else 15.0  # a log file gets a line every 15 s, not every episode
+    with ThreadPoolExecutor(max_workers=concurrency) as pool, tqdm(total=len(jobs), desc=desc, unit="ep", dynamic_ncols=True, mininterval=refresh_s) as bar:
         futures = [pool.submit(run_one, task, run) for task, run in jobs]
         for future in as_completed(futures):
             episode = future.result()

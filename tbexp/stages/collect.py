@@ -1,0 +1,55 @@
+"""The collect stage: gold trajectories for SFT, executed and verified.
+
+build (train tasks, agent, policy) → run `collect.n_runs` episodes per task in
+fresh sandboxes → keep only the episodes whose tests all pass → write them as
+`trajectories.jsonl` (format: `tbexp.trajectories`) → return counts. As in the
+published recipe, nothing enters the training set unless it was executed and
+verified; a policy's unverified text never does.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from tbexp.agents.base import make_agent
+from tbexp.policies import make_policy
+from tbexp.rollout import run_episode, run_episodes
+from tbexp.tasks import load_task_set
+from tbexp.tracking import Tracker, run_dir, write_summary
+from tbexp.trajectories import write_conversations
+
+log = logging.getLogger(__name__)
+
+
+def run(cfg: Any) -> dict[str, float]:
+    out = run_dir()
+    tasks = load_task_set(cfg.tasks, split=cfg.collect.split)
+    agent = make_agent(cfg.agent)
+    for task in tasks:
+        make_policy(cfg.policy, task, agent)
+
+    def run_one(task, run_index):
+        return run_episode(task, run_index, agent, lambda t, a: make_policy(cfg.policy, t, a), cfg.sandbox, cfg.agent.max_turns)
+
+    jobs = [(task, r) for r in range(cfg.collect.n_runs) for task in tasks]
+    episodes = run_episodes(jobs, cfg.collect.concurrency, run_one, desc=f"collect {cfg.policy}")
+    kept = sorted((ep for ep in episodes if not ep.invalid and ep.report.strict), key=lambda ep: (ep.task.name, ep.run))
+    rows = [{"task": ep.task.name, "family": ep.task.family, "agent": cfg.agent.name, "policy": cfg.policy, "reward": 1.0, "messages": ep.messages} for ep in kept]
+    path = Path(cfg.collect.data) if cfg.collect.data else out / "trajectories.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_conversations(path, rows)
+
+    metrics = {
+        "collect/episodes": float(len(episodes)),
+        "collect/kept": float(len(kept)),
+        "collect/success_rate": len(kept) / len(episodes) if episodes else 0.0,
+        "collect/invalid_episodes": float(sum(1 for ep in episodes if ep.invalid)),
+    }
+    tracker = Tracker(out, cfg.logger)
+    tracker.log(metrics)
+    tracker.finish()
+    write_summary(out, metrics)
+    print(f"kept {len(kept)} of {len(episodes)} episodes (verified strict successes) -> {path}")
+    return metrics
