@@ -1,0 +1,371 @@
+"""The local backend on a tiny random Llama: loss math, batching, LoRA, resume, adapters, sampling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import PeftModel
+from tinker import types
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from tbexp.backends.local import LocalBackend
+from tbexp.backends.logprobs import naive_target_logprobs, target_logprobs
+from tbexp.backends.sampling import filter_logits
+
+VOCAB = 300
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+GREEDY = types.SamplingParams(max_tokens=12, temperature=0.0, stop=[])
+
+
+
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    """One printable character per token (ids 0..298), id 299 = <eos>; decode concatenates."""
+    chars = [chr(0x21 + i) for i in range(94)] + [chr(0x100 + i) for i in range(VOCAB - 95)]
+    vocab = {c: i for i, c in enumerate(chars)} | {"<eos>": VOCAB - 1}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<eos>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+
+
+def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(config)
+
+
+def backend(tmp_path, lora_rank: int = 4, lora_dropout: float = 0.0, **kw) -> LocalBackend:
+    return LocalBackend(tiny_llama(), char_tokenizer(), lora_rank=lora_rank, lora_alpha=8.0, lora_dropout=lora_dropout, lora_targets=TARGETS, device="cpu", save_dir=tmp_path / "states", **kw)
+
+
+def sft_datum(tokens: list[int], weights: list[float] | None = None) -> types.Datum:
+    weights = weights if weights is not None else [1.0] * (len(tokens) - 1)
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights})
+
+
+def rl_datum(tokens: list[int], logprobs: list[float], advantages: list[float]) -> types.Datum:
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={"target_tokens": tokens[1:], "logprobs": logprobs, "advantages": advantages})
+
+
+def random_tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(0, VOCAB - 1, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def reference_logprobs(model, tokens: list[int]) -> torch.Tensor:
+    """Teacher-forced logp of tokens[1:] by the plain full-logits route."""
+    logits = model(input_ids=torch.tensor([tokens])).logits[0, :-1].float()
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens[1:])[:, None]).squeeze(1)
+
+
+def grads(b: LocalBackend) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in b._params.items() if p.grad is not None}
+
+
+def sgd(lr: float = 1e-2) -> types.AdamParams:
+    return types.AdamParams(learning_rate=lr)
+
+
+# ---- chunked log-softmax ----
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 16, 100])
+def test_chunked_logprobs_equal_naive_values_and_gradients(chunk):
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(16, 8, generator=g, requires_grad=True)
+    w = torch.randn(50, 8, generator=g, requires_grad=True)
+    bias = torch.randn(50, generator=g, requires_grad=True)
+    t = torch.randint(0, 50, (16,), generator=g)
+    up = torch.randn(16, generator=g)
+    got = target_logprobs(h, w, t, bias, chunk_size=chunk)
+    grads_got = torch.autograd.grad((got * up).sum(), (h, w, bias))
+    want = torch.log_softmax(h @ w.T + bias, -1).gather(1, t[:, None]).squeeze(1)
+    grads_want = torch.autograd.grad((want * up).sum(), (h, w, bias))
+    torch.testing.assert_close(got, want)
+    for a, b in zip(grads_got, grads_want):
+        torch.testing.assert_close(a, b)
+
+
+def test_chunked_logprobs_gradcheck_and_frozen_head():
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(5, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(9, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    t = torch.randint(0, 9, (5,), generator=g)
+    assert torch.autograd.gradcheck(lambda h, w: target_logprobs(h, w, t, chunk_size=2), (h, w))
+    # A frozen head (LoRA): only the hidden states get a gradient, and it still matches.
+    w_frozen = w.detach()
+    (gh,) = torch.autograd.grad(target_logprobs(h, w_frozen, t, chunk_size=2).sum(), (h,))
+    (gh_ref,) = torch.autograd.grad(naive_target_logprobs(h, w_frozen, t).sum(), (h,))
+    torch.testing.assert_close(gh, gh_ref)
+
+
+# ---- losses against hand-computed values ----
+
+
+def test_cross_entropy_is_the_weighted_sum_of_logprobs(tmp_path):
+    b = backend(tmp_path)
+    tokens = random_tokens(10, seed=1)
+    weights = [0.0, 0.0, 1.0, 2.0, 0.5, 1.0, 0.0, 1.0, 3.0]
+    result = b.forward_backward([sft_datum(tokens, weights)], "cross_entropy").result()
+    with torch.no_grad():
+        logp = reference_logprobs(b.model, tokens)
+    assert result.loss == pytest.approx(-(torch.tensor(weights) * logp).sum().item(), rel=1e-5)
+    assert result.n_tokens == pytest.approx(sum(weights))
+    torch.testing.assert_close(torch.tensor(result.logprobs[0]), logp, atol=1e-5, rtol=0)
+
+
+def test_importance_sampling_at_sampler_logprobs_is_minus_sum_of_advantages(tmp_path):
+    b = backend(tmp_path)
+    tokens = random_tokens(12, seed=2)
+    adv = [0.0] * 4 + [1.5] * 4 + [-0.5] * 3
+    with torch.no_grad():
+        q = reference_logprobs(b.model, tokens).tolist()
+    result = b.forward_backward([rl_datum(tokens, q, adv)], "importance_sampling").result()
+    assert result.loss == pytest.approx(-sum(adv), abs=1e-4)
+    assert result.n_tokens == len(adv)
+    is_grads = grads(b)
+    b.optimizer.zero_grad(set_to_none=True)
+    b.forward_backward([sft_datum(tokens, adv)], "cross_entropy").result()  # −Σ A·logp
+    for name, g in grads(b).items():
+        torch.testing.assert_close(is_grads[name], g, atol=1e-5, rtol=1e-4)
+
+
+def test_ppo_clips_the_ratio_and_zeroes_the_clipped_gradient(tmp_path):
+    b = backend(tmp_path)
+    tokens = random_tokens(8, seed=3)
+    with torch.no_grad():
+        logp = reference_logprobs(b.model, tokens)
+    adv = torch.ones(7)
+    # Ratio e (above 1.2) with A > 0: the clipped term 1.2·A wins, so loss = −Σ 1.2·A and no gradient.
+    result = b.forward_backward([rl_datum(tokens, (logp - 1).tolist(), adv.tolist())], "ppo").result()
+    assert result.loss == pytest.approx(-1.2 * adv.sum().item(), rel=1e-5)
+    assert result.metrics["clip_fraction"] == 1.0
+    assert all(torch.count_nonzero(g) == 0 for g in grads(b).values())
+    # Ratio e^-1 (below 0.8) with A > 0: min picks r·A, unclipped, so the gradient is that of IS.
+    b.optimizer.zero_grad(set_to_none=True)
+    result = b.forward_backward([rl_datum(tokens, (logp + 1).tolist(), adv.tolist())], "ppo").result()
+    assert result.loss == pytest.approx(-(torch.exp(torch.tensor(-1.0)) * adv).sum().item(), rel=1e-4)
+    ppo_grads = grads(b)
+    b.optimizer.zero_grad(set_to_none=True)
+    b.forward_backward([rl_datum(tokens, (logp + 1).tolist(), adv.tolist())], "importance_sampling").result()
+    assert any(torch.count_nonzero(g) > 0 for g in ppo_grads.values())
+    for name, g in grads(b).items():
+        torch.testing.assert_close(ppo_grads[name], g)
+    # Wider thresholds from loss_fn_config put ratio e inside the band: r·A, with a gradient.
+    b.optimizer.zero_grad(set_to_none=True)
+    result = b.forward_backward([rl_datum(tokens, (logp - 1).tolist(), adv.tolist())], "ppo", {"clip_low_threshold": 0.5, "clip_high_threshold": 3.0}).result()
+    assert result.loss == pytest.approx(-torch.e * adv.sum().item(), rel=1e-4)
+    assert any(torch.count_nonzero(g) > 0 for g in grads(b).values())
+
+
+# ---- batching ----
+
+
+@pytest.mark.parametrize("microbatch_tokens", [8192, 20])
+def test_padded_batch_equals_per_datum(tmp_path, microbatch_tokens):
+    b = backend(tmp_path, microbatch_tokens=microbatch_tokens)
+    data = [sft_datum(random_tokens(n, seed=n), [float(i % 3) for i in range(n - 1)]) for n in (5, 13, 9, 2)]
+    batched = b.forward_backward(data, "cross_entropy").result()
+    batched_grads = grads(b)
+    b.optimizer.zero_grad(set_to_none=True)
+    singles = [b.forward_backward([d], "cross_entropy").result() for d in data]  # gradients add up
+    assert batched.loss == pytest.approx(sum(s.loss for s in singles), rel=1e-5)
+    assert batched.n_tokens == sum(s.n_tokens for s in singles)
+    for got, single in zip(batched.logprobs, singles):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(single.logprobs[0]), atol=1e-5, rtol=0)
+    for name, g in grads(b).items():
+        torch.testing.assert_close(batched_grads[name], g, atol=1e-5, rtol=1e-4)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(tmp_path):
+    data = [sft_datum(random_tokens(n, seed=n)) for n in (6, 11)]
+    plain, ckpt = backend(tmp_path), backend(tmp_path, gradient_checkpointing=True)
+    assert plain.forward_backward(data, "cross_entropy").result().loss == pytest.approx(ckpt.forward_backward(data, "cross_entropy").result().loss, rel=1e-6)
+    for name, g in grads(plain).items():
+        torch.testing.assert_close(grads(ckpt)[name], g)
+
+
+# ---- LoRA and full fine-tuning ----
+
+
+def test_lora_training_changes_lora_weights_only(tmp_path):
+    b = backend(tmp_path)
+    trainable = set(b._params)
+    assert all("lora_" in n for n in trainable)
+    assert {t for t in TARGETS if any(f"{t}.lora_A" in n for n in trainable)} == set(TARGETS)  # MLP included
+    before = {n: p.detach().clone() for n, p in b.model.named_parameters()}
+    data = [sft_datum(random_tokens(9, seed=s)) for s in range(3)]
+    for _ in range(2):
+        b.forward_backward(data, "cross_entropy").result()
+        stats = b.optim_step(sgd()).result()
+    assert stats["step"] == 2 and stats["grad_norm"] > 0
+    for n, p in b.model.named_parameters():
+        if n in trainable:
+            assert not torch.equal(p, before[n]), f"{n} did not change"
+        else:
+            assert torch.equal(p, before[n]), f"base weight {n} changed"
+
+
+def test_full_finetuning_trains_every_weight(tmp_path):
+    b = backend(tmp_path, lora_rank=0)
+    assert len(b._params) == len(list(b.model.parameters())) and not any("lora" in n for n in b._params)
+    before = {n: p.detach().clone() for n, p in b._params.items()}
+    b.forward_backward([sft_datum(random_tokens(20, seed=5))], "cross_entropy").result()
+    b.optim_step(sgd(1e-3)).result()
+    changed = [n for n, p in b._params.items() if not torch.equal(p, before[n])]
+    assert "lm_head.weight" in changed and "model.layers.0.mlp.down_proj.weight" in changed
+    with pytest.raises(NotImplementedError):
+        b.export_adapter(str(tmp_path / "adapter"))
+
+
+def test_grad_clip_and_weight_decay_follow_adam_params(tmp_path):
+    b = backend(tmp_path)
+    b.forward_backward([sft_datum(random_tokens(30, seed=6))], "cross_entropy").result()
+    norm = b.optim_step(types.AdamParams(learning_rate=1e-3, grad_clip_norm=1e-3, weight_decay=0.1)).result()["grad_norm"]
+    assert norm > 1e-3  # reported before clipping
+    group = b.optimizer.param_groups[0]
+    assert (group["lr"], group["betas"], group["eps"], group["weight_decay"]) == (1e-3, (0.9, 0.95), 1e-12, 0.1)
+
+
+# ---- checkpoints and adapters ----
+
+
+def _train(b: LocalBackend, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        data = [sft_datum(random_tokens(7 + step, seed=100 + step)), sft_datum(random_tokens(4, seed=200 + step))]
+        losses.append(b.forward_backward(data, "cross_entropy").result().loss)
+        b.optim_step(sgd(1e-2 / (1 + step))).result()  # a schedule: the caller changes the rate
+    return losses
+
+
+def test_save_then_load_into_a_fresh_backend_continues_exactly(tmp_path):
+    # Dropout on the LoRA path makes the run depend on the RNG state, which must be restored too.
+    torch.manual_seed(0)
+    straight = backend(tmp_path, lora_dropout=0.1)
+    losses_straight = _train(straight, range(4))
+
+    torch.manual_seed(0)
+    first = backend(tmp_path, lora_dropout=0.1)
+    losses = _train(first, range(2))
+    path = first.save_state("step2")
+    torch.rand(5)  # disturb the RNG; load_state must put it back
+    resumed = backend(tmp_path, lora_dropout=0.1)
+    resumed.load_state(path)
+    assert resumed.step == 2
+    losses += _train(resumed, range(2, 4))
+
+    assert losses == losses_straight
+    for n, p in straight._params.items():
+        assert torch.equal(p, resumed._params[n]), n
+    for a, b in zip(straight.optimizer.state.values(), resumed.optimizer.state.values()):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft 0.21 under transformers 5
+def test_exported_adapter_loads_in_peft_with_the_same_logits(tmp_path):
+    b = backend(tmp_path)
+    _train(b, range(2))
+    path = b.export_adapter(str(tmp_path / "adapter"))
+    loaded = PeftModel.from_pretrained(tiny_llama(), path).eval()
+    b.model.eval()
+    ids = torch.tensor([random_tokens(15, seed=9)])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, b.model(input_ids=ids).logits, atol=1e-6, rtol=0)
+        assert not torch.allclose(tiny_llama()(input_ids=ids).logits, b.model(input_ids=ids).logits)
+
+
+# ---- sampling ----
+
+
+def _prompt(n: int = 6) -> types.ModelInput:
+    return types.ModelInput.from_ints(random_tokens(n, seed=42))
+
+
+def test_greedy_sampling_is_argmax_decoding(tmp_path):
+    b = backend(tmp_path)
+    seqs = b.sampler().sample(_prompt(), 3, GREEDY).result()
+    tokens = _prompt().to_ints()
+    with torch.no_grad():
+        for _ in range(GREEDY.max_tokens):  # no cache, full recompute each step
+            tokens.append(int(b.model(input_ids=torch.tensor([tokens])).logits[0, -1].argmax()))
+    for s in seqs:
+        assert s.tokens == tokens[-GREEDY.max_tokens :] and s.stop_reason == "length"
+
+
+def test_sampling_respects_max_tokens_and_seed(tmp_path):
+    s = backend(tmp_path).sampler()
+    params = types.SamplingParams(max_tokens=9, temperature=1.0, seed=7, stop=[])
+    a = s.sample(_prompt(), 4, params).result()
+    assert [len(x.tokens) for x in a] == [9] * 4 and {x.stop_reason for x in a} == {"length"}
+    assert [x.tokens for x in s.sample(_prompt(), 4, params).result()] == [x.tokens for x in a]
+    other = s.sample(_prompt(), 4, params.model_copy(update={"seed": 8})).result()
+    assert [x.tokens for x in other] != [x.tokens for x in a]
+    assert len({tuple(x.tokens) for x in a}) > 1  # the samples differ from each other
+
+
+def test_sampled_logprobs_are_untempered_and_match_teacher_forcing(tmp_path):
+    b = backend(tmp_path)
+    params = types.SamplingParams(max_tokens=10, temperature=0.7, top_p=0.9, top_k=50, seed=3, stop=[])
+    for seq in b.sampler().sample(_prompt(), 3, params).result():
+        with torch.no_grad():
+            want = reference_logprobs(b.model, _prompt().to_ints() + seq.tokens)[-len(seq.tokens) :]
+        torch.testing.assert_close(torch.tensor(seq.logprobs), want, atol=1e-4, rtol=0)
+
+
+def test_sampling_stops_on_token_ids_and_strings(tmp_path):
+    b = backend(tmp_path)
+    tok = b.tokenizer
+    greedy = b.sampler().sample(_prompt(), 1, GREEDY).result()[0].tokens
+    # A stop token: the sequence ends at its first occurrence, the token included.
+    stop_id = greedy[4]
+    seq = b.sampler().sample(_prompt(), 2, GREEDY.model_copy(update={"stop": [stop_id]})).result()[0]
+    assert seq.stop_reason == "stop" and seq.tokens == greedy[: greedy.index(stop_id) + 1]
+    # A stop string spanning two tokens: the sequence ends with the token that completes it.
+    stop_str = tok.decode(greedy[5:7])
+    first = next(k for k in range(1, len(greedy) + 1) if stop_str in tok.decode(greedy[:k]))
+    seq = b.sampler().sample(_prompt(), 2, GREEDY.model_copy(update={"stop": [stop_str]})).result()[1]
+    assert seq.stop_reason == "stop" and seq.tokens == greedy[:first]
+    # stop=None stops on EOS: make EOS the greedy choice by biasing the LM head.
+    with torch.no_grad():
+        b._lm.lm_head.weight[tok.eos_token_id] = b._lm.lm_head.weight[greedy[2]] * 2
+    seq = b.sampler().sample(_prompt(), 1, GREEDY.model_copy(update={"stop": None})).result()[0]
+    assert seq.stop_reason == "stop" and seq.tokens[-1] == tok.eos_token_id
+
+
+def test_finished_sequences_drop_out_while_others_continue(tmp_path):
+    b = backend(tmp_path)
+    params = types.SamplingParams(max_tokens=30, temperature=1.0, seed=0, stop=["!", "#"])
+    seqs = b.sampler().sample(_prompt(), 8, params).result()
+    for s in seqs:
+        text = b.tokenizer.decode(s.tokens)
+        if s.stop_reason == "stop":
+            assert text[-1] in "!#" and not any(c in text[:-1] for c in "!#")
+        else:
+            assert len(s.tokens) == 30 and not any(c in text for c in "!#")
+        assert len(s.logprobs) == len(s.tokens)
+
+
+def test_sampler_is_a_snapshot(tmp_path):
+    b = backend(tmp_path)
+    params = types.SamplingParams(max_tokens=8, temperature=1.0, seed=1, stop=[])
+    snap = b.sampler()
+    before = snap.sample(_prompt(), 2, params).result()
+    _train(b, range(3))
+    live = {n: p.detach().clone() for n, p in b._params.items()}
+    after = snap.sample(_prompt(), 2, params).result()
+    assert [(s.tokens, s.logprobs) for s in after] == [(s.tokens, s.logprobs) for s in before]
+    assert all(torch.equal(p, live[n]) for n, p in b._params.items())  # sampling put the live weights back
+    fresh = b.sampler().sample(_prompt(), 2, params).result()
+    assert [s.logprobs for s in fresh] != [s.logprobs for s in before]
+
+
+def test_filter_logits_top_k_and_top_p():
+    logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]]))
+    kept = lambda x: torch.isfinite(x)[0].tolist()  # noqa: E731
+    assert kept(filter_logits(logits, 2, 1.0)) == [True, True, False, False, False]
+    assert kept(filter_logits(logits, -1, 0.6)) == [True, True, False, False, False]
+    assert kept(filter_logits(logits, -1, 0.45)) == [True, False, False, False, False]
+    assert kept(filter_logits(logits, -1, 0.01)) == [True, False, False, False, False]
+    assert kept(filter_logits(logits, 3, 0.99)) == [True, True, True, False, False]
