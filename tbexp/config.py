@@ -15,7 +15,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-STAGES_IMPLEMENTED = ("eval", "collect")
+STAGES_IMPLEMENTED = ("eval", "collect", "sft")
 POLICIES = ("oracle", "nop", "model")
 
 
@@ -56,6 +56,7 @@ class BackendConfig:
     name: str = "local"  # local | tinker
     device: str = "auto"  # local: cpu | cuda | auto
     base_url: str = ""  # tinker: a Tinker-compatible server; "" = the SDK's default
+    threads: int = 1  # local on CPU: torch threads; the sandboxes need the other cores. 0 = torch's default
 
 
 @dataclass
@@ -108,6 +109,32 @@ class EvalConfig:
 
 
 @dataclass
+class SamplingConfig:
+    temperature: float = 0.7  # 0 = greedy
+    top_p: float = 1.0
+    max_tokens: int = 96  # per reply
+
+
+@dataclass
+class SFTConfig:
+    data: str = ""  # SFT jsonl (tbexp.trajectories); "" = collect the oracle's verified turns on the train tasks first
+    steps: int = 150  # optimizer steps
+    batch_size: int = 16  # conversations per step
+    learning_rate: float = 3e-3
+    lr_schedule: str = "cosine"  # cosine | linear | constant, after warmup
+    warmup_steps: int = 10
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 1.0  # 0 = off
+    max_length_tokens: int = 0  # longer conversations are dropped or truncated; 0 = model.max_length_tokens
+    overlong: str = "drop"  # drop | truncate
+    val_fraction: float = 0.1  # share of conversations held out for eval NLL
+    eval_every: int = 25  # steps between held-out NLL evaluations (each saves a checkpoint)
+    patience: int = 3  # stop after this many evaluations without improvement; 0 = never stop early
+    save_every: int = 0  # extra checkpoints every N steps; 0 = only at evaluations
+    eval_after: bool = False  # then score the base model and the chosen checkpoint with the eval stage
+
+
+@dataclass
 class CollectConfig:
     split: str = "train"  # which built-in split to collect on
     n_runs: int = 1  # episodes per task; only verified successes are kept
@@ -128,6 +155,9 @@ class Config:
     logger: LoggerConfig = MISSING
     eval: EvalConfig = field(default_factory=EvalConfig)
     collect: CollectConfig = field(default_factory=CollectConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    load_checkpoint: str = ""  # a checkpoint directory (local) or tinker:// URI for policy=model; "" = the base model
     policy: str = "oracle"  # oracle | nop | model (model needs a training backend)
     seed: int = 0
 
@@ -210,5 +240,14 @@ def check(cfg: Any) -> None:
     for key, split in (("tasks.split", cfg.tasks.split), ("collect.split", cfg.collect.split)):
         if split not in ("train", "heldout"):
             raise ConfigError(f"{key}={split!r}: choose train or heldout")
+    if cfg.sft.lr_schedule not in ("cosine", "linear", "constant"):
+        raise ConfigError(f"sft.lr_schedule={cfg.sft.lr_schedule!r}: choose cosine, linear or constant")
+    if cfg.sft.overlong not in ("drop", "truncate"):
+        raise ConfigError(f"sft.overlong={cfg.sft.overlong!r}: choose drop or truncate")
+    if not 0.0 < cfg.sft.val_fraction < 1.0:
+        raise ConfigError(f"sft.val_fraction={cfg.sft.val_fraction}: must lie strictly between 0 and 1")
+    for key, value in (("sft.steps", cfg.sft.steps), ("sft.batch_size", cfg.sft.batch_size), ("sft.eval_every", cfg.sft.eval_every)):
+        if value < 1:
+            raise ConfigError(f"{key}={value}: must be at least 1")
     if cfg.reward.name not in ("binary", "per_test", "per_test_efficiency"):
         raise ConfigError(f"reward.name={cfg.reward.name!r}: choose binary, per_test or per_test_efficiency")

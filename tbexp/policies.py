@@ -5,13 +5,16 @@ protocol. `oracle` replays the task's `solution/solve.sh`: one line per
 turn when the script is a plain list of one-line commands (the built-in
 tasks are written that way, so their solutions double as agent turns), or
 else a single turn that runs the uploaded script. `nop` declares the task
-done at once. `policy=model` (sampling from a training backend) arrives with
-the backends.
+done at once. `model` samples each reply from a backend's sampler and keeps
+the episode's tokens exactly as sampled (`ModelPolicy.record`), so training
+on an episode uses the sampled tokens, never a re-tokenised copy.
 """
 
 from __future__ import annotations
 
 import shlex
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -59,6 +62,49 @@ class NopPolicy:
         return self.done_reply
 
 
+@dataclass
+class ModelRuntime:
+    """What every model-policy episode shares: a sampler over fixed weights, a renderer, sampling settings."""
+
+    sampler: Any  # tbexp.backends.base.Sampler
+    renderer: Any  # tbexp.renderers.Renderer
+    params: Any  # tinker.types.SamplingParams
+    max_context_tokens: int = 2048
+    lock: threading.Lock = field(default_factory=threading.Lock)  # one sample at a time: the CPU is shared anyway
+
+
+@dataclass
+class SampledTurn:
+    offset: int  # where the reply starts in the episode's tokens
+    tokens: list[int]
+    logprobs: list[float]
+
+
+class ModelPolicy:
+    def __init__(self, task: Task, agent: Agent, runtime: ModelRuntime):
+        self.uploads: dict[Path, str] = {}
+        self.runtime = runtime
+        self.tokens: list[int] = []  # the whole episode so far, as the model saw and sampled it
+        self.record: list[SampledTurn] = []
+        self.done_reply = agent.format([], done=True)
+
+    def act(self, messages: list[dict[str, str]]) -> str:
+        r = self.runtime
+        if not self.tokens:
+            self.tokens = r.renderer.initial_tokens(messages[0]["content"])
+        else:
+            self.tokens = self.tokens + r.renderer.continuation_tokens(messages[-1]["content"], self.record[-1].tokens)
+        if len(self.tokens) + r.params.max_tokens > r.max_context_tokens:
+            return self.done_reply  # out of context: end the episode rather than truncate what the model saw
+        from tinker import types
+
+        with r.lock:
+            sequence = r.sampler.sample(types.ModelInput.from_ints(self.tokens), 1, r.params).result()[0]
+        self.record.append(SampledTurn(len(self.tokens), list(sequence.tokens), list(sequence.logprobs)))
+        self.tokens = self.tokens + list(sequence.tokens)
+        return r.renderer.decode_reply(sequence.tokens)
+
+
 def solution_turns(script: str) -> list[str] | None:
     """The script's commands, one per line, or None when a line is not a whole command.
 
@@ -89,9 +135,11 @@ def solution_turns(script: str) -> list[str] | None:
 POLICIES = {"oracle": OraclePolicy, "nop": NopPolicy}
 
 
-def make_policy(name: str, task: Task, agent: Agent, settings: Any = None) -> EpisodePolicy:
+def make_policy(name: str, task: Task, agent: Agent, runtime: ModelRuntime | None = None) -> EpisodePolicy:
     if name == "model":
-        raise PolicyError("policy=model samples from a training backend, which this version does not ship yet; use policy=oracle or policy=nop")
+        if runtime is None:
+            raise PolicyError("policy=model needs a sampler: the stage builds it from backend= and model=")
+        return ModelPolicy(task, agent, runtime)
     if name not in POLICIES:
         raise PolicyError(f"policy={name!r}: choose one of {sorted(POLICIES)} or model")
     return POLICIES[name](task, agent)

@@ -86,8 +86,3 @@ def test_broken_task_toml_is_refused_naming_the_file(tmp_path):
     (broken / "task.toml").write_text("[task\nname = 'x'\n")
     out = subprocess.run([sys.executable, "-m", "tbexp", "tasks=dir", f"tasks.path={tasks}", f"hydra.run.dir={tmp_path}/run"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and f"{broken}/task.toml: broken TOML" in out.stderr
-
-
-def test_model_policy_is_not_pretended(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "tbexp", "policy=model", f"hydra.run.dir={tmp_path}/run"], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and "policy=model" in out.stderr and "training backend" in out.stderr

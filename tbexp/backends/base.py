@@ -77,6 +77,10 @@ class TrainingBackend(abc.ABC):
         """Add this batch's gradients (they accumulate until `optim_step`)."""
 
     @abc.abstractmethod
+    def forward(self, data: list[types.Datum], loss_fn: str, loss_fn_config: dict[str, float] | None = None) -> Future[ForwardBackwardResult]:
+        """The same loss and logprobs without gradients (held-out NLL)."""
+
+    @abc.abstractmethod
     def optim_step(self, adam: types.AdamParams) -> Future[dict[str, float]]:
         """One AdamW step with Tinker's `AdamParams` fields; clears the gradients."""
 

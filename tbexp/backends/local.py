@@ -86,25 +86,32 @@ class LocalBackend(TrainingBackend):
     # ---- training ----
 
     def forward_backward(self, data: list[types.Datum], loss_fn: str, loss_fn_config: dict[str, float] | None = None) -> Future[ForwardBackwardResult]:
+        return Done(self._run(data, loss_fn, loss_fn_config, backward=True))
+
+    def forward(self, data: list[types.Datum], loss_fn: str, loss_fn_config: dict[str, float] | None = None) -> Future[ForwardBackwardResult]:
+        with torch.no_grad():
+            return Done(self._run(data, loss_fn, loss_fn_config, backward=False))
+
+    def _run(self, data: list[types.Datum], loss_fn: str, loss_fn_config: dict[str, float] | None, backward: bool) -> ForwardBackwardResult:
         if loss_fn not in LOSSES:
             raise ValueError(f"unknown loss_fn {loss_fn!r}; the local backend has {LOSSES}")
         rows = [_row(d, loss_fn) for d in data]
         logps: list[torch.Tensor | None] = [None] * len(rows)
         total = 0.0
         with self._lock:
-            self.model.train()
+            self.model.train(backward)  # eval mode (no dropout) for a forward-only pass
             for batch in _microbatches(rows, self.microbatch_tokens):
                 logp_N, inputs = self._target_logprobs([rows[i] for i in batch])
                 loss = _loss(loss_fn, logp_N, inputs, loss_fn_config or {})
-                loss.backward()
+                if backward:
+                    loss.backward()
                 total += loss.item()
                 for i, logp in zip(batch, logp_N.detach().split([len(rows[i]["tokens"]) for i in batch])):
                     logps[i] = logp.cpu()
         flat = {k: torch.cat([r[k] for r in rows]) for k in rows[0] if k != "tokens"} if rows else {}
         logp_all = torch.cat(logps) if rows else torch.zeros(0)
         n_tokens = float(flat["weights"].sum()) if loss_fn == "cross_entropy" and rows else float(len(logp_all))
-        result = ForwardBackwardResult(loss=total, n_tokens=n_tokens, logprobs=[lp.tolist() for lp in logps], metrics=_metrics(loss_fn, logp_all, flat, loss_fn_config or {}))
-        return Done(result)
+        return ForwardBackwardResult(loss=total, n_tokens=n_tokens, logprobs=[lp.tolist() for lp in logps], metrics=_metrics(loss_fn, logp_all, flat, loss_fn_config or {}))
 
     def _target_logprobs(self, rows: list[dict]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """logp of each row's targets, rows concatenated, from one right-padded forward pass."""

@@ -63,6 +63,10 @@ class TinkerBackend(TrainingBackend):
         n_tokens = sum(_n_tokens(d, loss_fn) for d in data)
         return _Mapped(self.client.forward_backward(data, loss_fn, loss_fn_config), lambda out: _fb_result(out, n_tokens))
 
+    def forward(self, data: list[types.Datum], loss_fn: str, loss_fn_config: dict[str, float] | None = None) -> Future[ForwardBackwardResult]:
+        n_tokens = sum(_n_tokens(d, loss_fn) for d in data)
+        return _Mapped(self.client.forward(data, loss_fn, loss_fn_config), lambda out: _fb_result(out, n_tokens))
+
     def optim_step(self, adam: types.AdamParams) -> Future[dict[str, float]]:
         return _Mapped(self.client.optim_step(adam), lambda out: dict(out.metrics or {}))
 

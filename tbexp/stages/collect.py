@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tbexp.agents.base import make_agent
+from tbexp.build import model_runtime
 from tbexp.policies import make_policy
 from tbexp.rollout import run_episode, run_episodes
 from tbexp.tasks import load_task_set
@@ -25,31 +26,36 @@ log = logging.getLogger(__name__)
 
 def run(cfg: Any) -> dict[str, float]:
     out = run_dir()
+    path = Path(cfg.collect.data) if cfg.collect.data else out / "trajectories.jsonl"
+    metrics = collect(cfg, path)
+    tracker = Tracker(out, cfg.logger)
+    tracker.log(metrics)
+    tracker.finish()
+    write_summary(out, metrics)
+    return metrics
+
+
+def collect(cfg: Any, path: Path) -> dict[str, float]:
+    """Run `cfg.policy` on the `cfg.collect.split` tasks; write the verified successes to `path`."""
     tasks = load_task_set(cfg.tasks, split=cfg.collect.split)
     agent = make_agent(cfg.agent)
+    runtime = model_runtime(cfg, path.parent / "checkpoints") if cfg.policy == "model" else None
     for task in tasks:
-        make_policy(cfg.policy, task, agent)
+        make_policy(cfg.policy, task, agent, runtime)
 
     def run_one(task, run_index):
-        return run_episode(task, run_index, agent, lambda t, a: make_policy(cfg.policy, t, a), cfg.sandbox, cfg.agent.max_turns)
+        return run_episode(task, run_index, agent, lambda t, a: make_policy(cfg.policy, t, a, runtime), cfg.sandbox, cfg.agent.max_turns)
 
     jobs = [(task, r) for r in range(cfg.collect.n_runs) for task in tasks]
     episodes = run_episodes(jobs, cfg.collect.concurrency, run_one, desc=f"collect {cfg.policy}")
     kept = sorted((ep for ep in episodes if not ep.invalid and ep.report.strict), key=lambda ep: (ep.task.name, ep.run))
     rows = [{"task": ep.task.name, "family": ep.task.family, "agent": cfg.agent.name, "policy": cfg.policy, "reward": 1.0, "messages": ep.messages} for ep in kept]
-    path = Path(cfg.collect.data) if cfg.collect.data else out / "trajectories.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
     write_conversations(path, rows)
-
-    metrics = {
+    print(f"kept {len(kept)} of {len(episodes)} episodes (verified strict successes) -> {path}")
+    return {
         "collect/episodes": float(len(episodes)),
         "collect/kept": float(len(kept)),
         "collect/success_rate": len(kept) / len(episodes) if episodes else 0.0,
         "collect/invalid_episodes": float(sum(1 for ep in episodes if ep.invalid)),
     }
-    tracker = Tracker(out, cfg.logger)
-    tracker.log(metrics)
-    tracker.finish()
-    write_summary(out, metrics)
-    print(f"kept {len(kept)} of {len(episodes)} episodes (verified strict successes) -> {path}")
-    return metrics

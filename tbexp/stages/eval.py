@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from tbexp.agents.base import make_agent
+from tbexp.build import model_runtime
 from tbexp.plots import plot_eval
-from tbexp.policies import make_policy
+from tbexp.policies import ModelRuntime, make_policy
 from tbexp.rollout import Episode, run_episode, run_episodes
 from tbexp.scoring import score_episodes, summarize, task_rows
 from tbexp.tasks import load_task_set
@@ -28,31 +29,40 @@ log = logging.getLogger(__name__)
 
 def run(cfg: Any) -> dict[str, float]:
     out = run_dir()
+    runtime = model_runtime(cfg, out / "checkpoints") if cfg.policy == "model" else None
+    metrics = evaluate(cfg, out, runtime)
+    write_summary(out, metrics)
+    print(f"run directory: {out}")
+    return metrics
+
+
+def evaluate(cfg: Any, out: Path, runtime: ModelRuntime | None = None, label: str = "") -> dict[str, float]:
+    """Score `cfg.policy` (with `runtime` for policy=model) on `cfg.tasks`; files go under `out`."""
+    out.mkdir(parents=True, exist_ok=True)
     tasks = load_task_set(cfg.tasks)
     agent = make_agent(cfg.agent)
     for task in tasks:  # refuse a policy that cannot act before any sandbox starts
-        make_policy(cfg.policy, task, agent)
-    log.info("eval: policy=%s, %d tasks x %d runs, sandbox=%s, agent=%s", cfg.policy, len(tasks), cfg.eval.n_runs, cfg.sandbox.name, cfg.agent.name)
+        make_policy(cfg.policy, task, agent, runtime)
+    name = label or cfg.policy
+    log.info("eval %s: %d tasks x %d runs, sandbox=%s, agent=%s", name, len(tasks), cfg.eval.n_runs, cfg.sandbox.name, cfg.agent.name)
 
     def run_one(task, run_index):
-        return run_episode(task, run_index, agent, lambda t, a: make_policy(cfg.policy, t, a), cfg.sandbox, cfg.agent.max_turns)
+        return run_episode(task, run_index, agent, lambda t, a: make_policy(cfg.policy, t, a, runtime), cfg.sandbox, cfg.agent.max_turns)
 
     jobs = [(task, r) for r in range(cfg.eval.n_runs) for task in tasks]
-    episodes = run_episodes(jobs, cfg.eval.concurrency, run_one, desc=f"eval {cfg.policy}")
+    episodes = run_episodes(jobs, cfg.eval.concurrency, run_one, desc=f"eval {name}")
     episodes.sort(key=lambda ep: (ep.task.name, ep.run))
 
     rewards = score_episodes(episodes, cfg.reward)
     metrics = summarize(episodes, rewards)
     rows = task_rows(episodes, rewards)
     tracker = Tracker(out, cfg.logger)
-    tracker.log(metrics)
+    tracker.log({f"{label}/{k}" if label else k: v for k, v in metrics.items()})
     tracker.finish()
-    write_summary(out, metrics)
     _write_table(out / "tasks.csv", rows)
-    plot_eval(rows, metrics, out / "eval.png", title=f"{cfg.policy} on {len(tasks)} {cfg.tasks.split} tasks")
+    plot_eval(rows, metrics, out / "eval.png", title=f"{name} on {len(tasks)} {cfg.tasks.split} tasks")
     _save_transcripts(out / "episodes", episodes, rewards, cfg.eval.save_episodes)
     print(_format_table(rows, metrics))
-    print(f"run directory: {out}")
     return metrics
 
 

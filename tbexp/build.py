@@ -1,0 +1,54 @@
+"""From config nodes to the objects stages use: backends, samplers' settings, model policies.
+
+Kept apart from the stages so that several stages (eval, collect, sft, grpo)
+build these the same way, and apart from the backends so that they stay
+free of config plumbing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tbexp.backends.base import TrainingBackend
+
+
+def make_backend(cfg: Any, save_dir: Path) -> TrainingBackend:
+    """The backend `cfg.backend` names, holding `cfg.model`, with checkpoints under `save_dir`."""
+    m = cfg.model
+    if cfg.backend.name == "tinker":
+        from tbexp.backends.tinker_backend import TinkerBackend
+
+        return TinkerBackend(m.path or m.name, lora_rank=m.lora_rank, lora_dropout=m.lora_dropout, lora_targets=list(m.lora_targets), seed=cfg.seed, base_url=cfg.backend.base_url)
+    if cfg.backend.name != "local":
+        raise ValueError(f"backend.name={cfg.backend.name!r}: choose local or tinker")
+    import torch
+
+    from tbexp.backends.local import LocalBackend
+    from tbexp.models import load_model
+
+    if cfg.backend.threads:
+        torch.set_num_threads(cfg.backend.threads)
+    device = cfg.backend.device if cfg.backend.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    model, tokenizer = load_model(m, device=device)
+    return LocalBackend(model, tokenizer, lora_rank=m.lora_rank, lora_alpha=m.lora_alpha, lora_dropout=m.lora_dropout, lora_targets=list(m.lora_targets), device=device, seed=cfg.seed, save_dir=save_dir)
+
+
+def sampling_params(settings: Any, stop: Any, seed: int | None = None):
+    from tinker import types
+
+    return types.SamplingParams(max_tokens=settings.max_tokens, temperature=settings.temperature, top_p=settings.top_p, stop=stop, seed=seed)
+
+
+def model_runtime(cfg: Any, save_dir: Path, backend: TrainingBackend | None = None):
+    """What policy=model episodes share: a sampler over `backend`'s current weights (built from cfg if not given)."""
+    from tbexp.policies import ModelRuntime
+    from tbexp.renderers import make_renderer
+
+    if backend is None:
+        backend = make_backend(cfg, save_dir)
+        if cfg.load_checkpoint:
+            backend.load_state(cfg.load_checkpoint)
+    renderer = make_renderer(cfg.model.renderer, backend.tokenizer)
+    # No fixed seed: each call draws from the backend's RNG, so n runs of a task differ.
+    return ModelRuntime(backend.sampler(), renderer, sampling_params(cfg.sampling, renderer.stop()), cfg.model.max_length_tokens)

@@ -1,0 +1,182 @@
+"""The SFT stage: fine-tuning on verified conversations with a completion-only loss.
+
+resume → data (read the jsonl, render each conversation with weights 1 on
+assistant tokens only, drop or truncate the over-long, hold out
+`val_fraction` for NLL) → build the backend → loop: a batch, `forward_backward`
+and `optim_step` submitted together (Tinker pipelines them), learning-rate
+schedule; every `eval_every` steps the held-out NLL and a checkpoint; stop
+after `patience` evaluations without improvement → choose the checkpoint with
+the lowest held-out NLL, i.e. the one before NLL stopped improving → with
+`sft.eval_after`, score the base model and the chosen checkpoint on the
+held-out tasks → metrics.
+
+Re-running the same command in the same run directory resumes from the last
+checkpoint (`sft_state.json` records the evaluations so far); the batches are a
+function of the seed and the step, so the resumed run sees the same data.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+from pathlib import Path
+from typing import Any
+
+from tbexp.build import make_backend, model_runtime
+from tbexp.tracking import Tracker, run_dir, write_summary
+
+log = logging.getLogger(__name__)
+
+
+def run(cfg: Any) -> dict[str, float]:
+    from tinker import types
+    from tqdm import trange
+
+    from tbexp.renderers import make_renderer
+
+    out = run_dir()
+    s = cfg.sft
+    state_path = out / "sft_state.json"
+    state = json.loads(state_path.read_text()) if state_path.exists() else {"step": 0, "evals": []}
+
+    conversations = _conversations(cfg)
+    backend = make_backend(cfg, out / "checkpoints")
+    renderer = make_renderer(cfg.model.renderer, backend.tokenizer)
+    max_len = s.max_length_tokens or cfg.model.max_length_tokens
+    train, val, counts = _datums(conversations, renderer, max_len, s.overlong, s.val_fraction, cfg.seed)
+    if state["evals"]:
+        backend.load_state(state["evals"][-1]["checkpoint"])
+        log.info("sft: resuming after step %d from %s", state["step"], state["evals"][-1]["checkpoint"])
+
+    tracker = Tracker(out, cfg.logger)
+    tracker.log({f"sft/{k}": float(v) for k, v in counts.items()}, step=state["step"])
+    for step in trange(state["step"], s.steps, desc="sft", initial=state["step"], total=s.steps, unit="step"):
+        batch = _batch(train, step, s.batch_size, cfg.seed)
+        lr = _learning_rate(s, step)
+        fb = backend.forward_backward(batch, "cross_entropy")
+        opt = backend.optim_step(types.AdamParams(learning_rate=lr, weight_decay=s.weight_decay, grad_clip_norm=s.grad_clip_norm))
+        fb, opt = fb.result(), opt.result()
+        tracker.log({"train/nll": fb.loss / max(fb.n_tokens, 1.0), "optim/lr": lr, **{f"optim/{k}": v for k, v in opt.items()}}, step=step + 1)
+        done = step + 1 == s.steps
+        if (step + 1) % s.eval_every == 0 or done:
+            nll = _nll(backend, val)
+            state["evals"].append({"step": step + 1, "val_nll": nll, "checkpoint": backend.save_state(f"step-{step + 1:05d}")})
+            state["step"] = step + 1
+            state_path.write_text(json.dumps(state, indent=1))
+            tracker.log({"eval/nll": nll}, step=step + 1)
+            if _stalled(state["evals"], s.patience):
+                log.info("sft: held-out NLL has not improved for %d evaluations; stopping at step %d", s.patience, step + 1)
+                break
+        elif s.save_every and (step + 1) % s.save_every == 0:
+            backend.save_state(f"step-{step + 1:05d}")
+
+    best = min(state["evals"], key=lambda e: e["val_nll"])
+    metrics = {"sft/chosen_step": float(best["step"]), "sft/val_nll": best["val_nll"], "sft/steps_run": float(state["step"]), **{f"sft/{k}": float(v) for k, v in counts.items()}}
+    (out / "chosen_checkpoint.txt").write_text(best["checkpoint"] + "\n")
+    print(f"chosen checkpoint: step {best['step']} (held-out NLL {best['val_nll']:.4f}) -> {best['checkpoint']}")
+    summary: dict[str, Any] = {"sft_training": metrics}
+    if s.eval_after:
+        summary = _evaluate_base_and_chosen(cfg, out, backend, best["checkpoint"], metrics)
+    tracker.finish()
+    write_summary(out, summary)
+    return {**metrics, **{k: v for k, v in summary.get("sft", {}).items()}}
+
+
+def _conversations(cfg: Any) -> list[list[dict[str, str]]]:
+    from tbexp.trajectories import read_conversations
+
+    if cfg.sft.data:
+        return read_conversations(cfg.sft.data)
+    # Default: the oracle's verified turns on the train tasks, collected once per task set and agent.
+    from tbexp.stages.collect import collect
+
+    t = cfg.tasks
+    path = run_dir() / "trajectories.jsonl"
+    if t.source == "builtin":
+        path = Path(t.cache_dir).parent / "trajectories" / f"builtin-seed{t.seed}-{t.train_per_family}x{t.heldout_per_family}-{cfg.agent.name}.jsonl"
+    if not path.exists():
+        oracle = cfg.copy()
+        oracle.policy = "oracle"
+        collect(oracle, path)
+    return read_conversations(path)
+
+
+def _datums(conversations, renderer, max_len: int, overlong: str, val_fraction: float, seed: int):
+    from tinker import types
+
+    datums, dropped, truncated = [], 0, 0
+    for messages in conversations:
+        tokens, weights = renderer.supervised(messages)
+        if len(tokens) > max_len:
+            if overlong == "drop":
+                dropped += 1
+                continue
+            tokens, weights = tokens[:max_len], weights[:max_len]
+            truncated += 1
+        if sum(weights[1:]) == 0:
+            dropped += 1  # nothing of the reply survived truncation
+            continue
+        datums.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights[1:]}))
+    if len(datums) < 2:
+        raise ValueError(f"only {len(datums)} usable conversations after dropping {dropped} over {max_len} tokens; need at least 2")
+    order = list(range(len(datums)))
+    random.Random(seed).shuffle(order)
+    n_val = max(1, round(len(datums) * val_fraction))
+    val = [datums[i] for i in order[:n_val]]
+    train = [datums[i] for i in order[n_val:]]
+    return train, val, {"train_conversations": len(train), "val_conversations": len(val), "dropped_overlong": dropped, "truncated_overlong": truncated}
+
+
+def _batch(train: list, step: int, batch_size: int, seed: int) -> list:
+    """Rows for `step`: epoch-wise shuffles of the train set, a pure function of (seed, step)."""
+    rows = []
+    for index in range(step * batch_size, (step + 1) * batch_size):
+        epoch, position = divmod(index, len(train))
+        order = list(range(len(train)))
+        random.Random(seed * 1_000_003 + epoch).shuffle(order)
+        rows.append(train[order[position]])
+    return rows
+
+
+def _learning_rate(s: Any, step: int) -> float:
+    if step < s.warmup_steps:
+        return s.learning_rate * (step + 1) / s.warmup_steps
+    progress = (step - s.warmup_steps) / max(1, s.steps - s.warmup_steps)
+    if s.lr_schedule == "cosine":
+        return s.learning_rate * 0.5 * (1 + math.cos(math.pi * progress))
+    if s.lr_schedule == "linear":
+        return s.learning_rate * (1 - progress)
+    return s.learning_rate
+
+
+def _nll(backend, val: list) -> float:
+    result = backend.forward(val, "cross_entropy").result()
+    return result.loss / max(result.n_tokens, 1.0)
+
+
+def _stalled(evals: list[dict], patience: int) -> bool:
+    if not patience or len(evals) <= patience:
+        return False
+    best_index = min(range(len(evals)), key=lambda i: evals[i]["val_nll"])
+    return len(evals) - 1 - best_index >= patience
+
+
+def _evaluate_base_and_chosen(cfg: Any, out: Path, backend, checkpoint: str, training: dict[str, float]) -> dict[str, Any]:
+    from tbexp.stages.eval import evaluate
+
+    model_cfg = cfg.copy()
+    model_cfg.policy = "model"
+    base = evaluate(model_cfg, out / "eval_base", model_runtime(model_cfg, out / "checkpoints"), label="base")
+    backend.load_state(checkpoint)
+    tuned = evaluate(model_cfg, out / "eval_sft", model_runtime(model_cfg, out / "checkpoints", backend), label="sft")
+    print(_before_after(base, tuned))
+    return {"base": base, "sft": tuned, "sft_training": training}
+
+
+def _before_after(base: dict[str, float], tuned: dict[str, float]) -> str:
+    keys = ["eval/strict_success", "eval/reward", "eval/pass@1", "eval/valid_command_rate", "eval/avg_turns"]
+    lines = [f"{'':24} {'base':>10} {'sft':>10}"]
+    lines += [f"{k:24} {base[k]:10.3f} {tuned[k]:10.3f}" for k in keys]
+    return "\n".join(lines)
