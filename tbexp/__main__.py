@@ -26,17 +26,21 @@ log = logging.getLogger("tbexp")
 
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> float:
+    from tbexp.backends.tinker_backend import BackendError
+    from tbexp.models import ModelLoadError
     from tbexp.policies import PolicyError
+    from tbexp.renderers import RendererError
     from tbexp.sandboxes.base import SandboxError
     from tbexp.sandboxes.dockerfile import DockerfileError
     from tbexp.tasks import TaskError
+    from tbexp.trajectories import DataError
 
     try:
         check(cfg)
         random.seed(cfg.seed)
         stage = importlib.import_module(f"tbexp.stages.{cfg.stage.name}")
         metrics = stage.run(cfg)
-    except (ConfigError, TaskError, PolicyError, SandboxError, DockerfileError) as err:
+    except (ConfigError, TaskError, PolicyError, SandboxError, DockerfileError, DataError, ModelLoadError, RendererError, BackendError) as err:
         print(f"tbexp: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     return float(metrics.get(OBJECTIVE, float("nan")))  # stages without a held-out score give no objective

@@ -120,7 +120,9 @@ def _datums(conversations, renderer, max_len: int, overlong: str, val_fraction: 
             continue
         datums.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights[1:]}))
     if len(datums) < 2:
-        raise ValueError(f"only {len(datums)} usable conversations after dropping {dropped} over {max_len} tokens; need at least 2")
+        from tbexp.trajectories import DataError
+
+        raise DataError(f"only {len(datums)} usable conversations after dropping {dropped} over {max_len} tokens; need at least 2")
     order = list(range(len(datums)))
     random.Random(seed).shuffle(order)
     n_val = max(1, round(len(datums) * val_fraction))

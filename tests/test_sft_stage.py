@@ -1,0 +1,90 @@
+"""The SFT stage on the tiny model: a few real steps, resume, checkpoint choice, bad data."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tbexp.stages import sft as sft_stage
+from tests.conftest import REPO, compose_config
+
+pytestmark = pytest.mark.slow
+
+
+def _sft(run_dir, monkeypatch, data, *overrides):
+    run_dir.mkdir(parents=True, exist_ok=True)
+    monkeypatch.chdir(run_dir)
+    cfg = compose_config("stage=sft", f"sft.data={data}", "sft.batch_size=4", "sft.eval_every=3", "sft.warmup_steps=1", "sft.patience=0", *overrides)
+    return sft_stage.run(cfg)
+
+
+@pytest.fixture(scope="module")
+def gold(tmp_path_factory, rootfs):
+    """Verified oracle conversations of a dozen train tasks."""
+    from tbexp.stages.collect import collect
+
+    path = tmp_path_factory.mktemp("gold") / "gold.jsonl"
+    cfg = compose_config("tasks.limit=12")
+    metrics = collect(cfg, path)
+    assert metrics["collect/kept"] == 12.0
+    return path
+
+
+def test_resumed_run_ends_where_an_uninterrupted_one_does(gold, tmp_path, monkeypatch):
+    straight = _sft(tmp_path / "straight", monkeypatch, gold, "sft.steps=6")
+    real_batch = sft_stage._batch
+
+    def dies_at_step_4(train, step, batch_size, seed):
+        if step == 4:
+            raise KeyboardInterrupt  # the job is killed during step 5, after the checkpoint of step 3
+        return real_batch(train, step, batch_size, seed)
+
+    monkeypatch.setattr(sft_stage, "_batch", dies_at_step_4)
+    with pytest.raises(KeyboardInterrupt):
+        _sft(tmp_path / "interrupted", monkeypatch, gold, "sft.steps=6")
+    monkeypatch.setattr(sft_stage, "_batch", real_batch)
+    resumed = _sft(tmp_path / "interrupted", monkeypatch, gold, "sft.steps=6")
+    evals = json.loads((tmp_path / "interrupted" / "sft_state.json").read_text())["evals"]
+    assert [e["step"] for e in evals] == [3, 6]  # the first three steps were not redone
+    assert resumed["sft/val_nll"] == pytest.approx(straight["sft/val_nll"], rel=1e-6)
+
+
+def test_the_checkpoint_before_nll_stops_improving_is_chosen(gold, tmp_path, monkeypatch):
+    # A learning rate this high makes held-out NLL rise after the first evaluations.
+    metrics = _sft(tmp_path, monkeypatch, gold, "sft.steps=12", "sft.learning_rate=0.05", "sft.lr_schedule=constant")
+    evals = json.loads((tmp_path / "sft_state.json").read_text())["evals"]
+    best = min(evals, key=lambda e: e["val_nll"])
+    assert metrics["sft/chosen_step"] == best["step"]
+    assert (tmp_path / "chosen_checkpoint.txt").read_text().strip() == best["checkpoint"]
+
+
+def test_patience_stops_early(gold, tmp_path, monkeypatch):
+    _sft(tmp_path, monkeypatch, gold, "sft.steps=30", "sft.learning_rate=0.2", "sft.lr_schedule=constant", "sft.patience=1")
+    evals = json.loads((tmp_path / "sft_state.json").read_text())["evals"]
+    assert evals[-1]["step"] < 30
+
+
+def test_overlong_conversations_are_counted(gold, tmp_path, monkeypatch):
+    from tbexp.models import load_model
+    from tbexp.renderers import make_renderer
+    from tbexp.trajectories import read_conversations
+
+    cfg = compose_config()
+    renderer = make_renderer(cfg.model.renderer, load_model(cfg.model)[1])
+    lengths = sorted(len(renderer.supervised(c)[0]) for c in read_conversations(gold))
+    cut = f"sft.max_length_tokens={lengths[len(lengths) // 2]}"  # about half the conversations are longer
+    metrics = _sft(tmp_path, monkeypatch, gold, "sft.steps=1", cut)
+    assert metrics["sft/dropped_overlong"] > 0
+    metrics = _sft(tmp_path / "t", monkeypatch, gold, "sft.steps=1", cut, "sft.overlong=truncate")
+    assert metrics["sft/truncated_overlong"] > 0 and metrics["sft/dropped_overlong"] == 0
+
+
+@pytest.mark.parametrize("content,needle", [('{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "ls"}]}\nnot json\n', ":2: not JSON"), ("", "empty"), ('{"prompt": "x"}\n', ":1: a raw-command row needs")])
+def test_bad_data_file_is_refused_with_the_line(tmp_path, content, needle):
+    data = tmp_path / "bad.jsonl"
+    data.write_text(content)
+    out = subprocess.run([sys.executable, "-m", "tbexp", "stage=sft", f"sft.data={data}", f"hydra.run.dir={tmp_path}/run"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and needle in out.stderr and str(data) in out.stderr
