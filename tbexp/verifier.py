@@ -60,9 +60,9 @@ class TestReport:
 
 
 def verify(sandbox: Sandbox, task: Task) -> TestReport:
-    sandbox.exec("rm -rf /logs/verifier && mkdir -p /logs/verifier")
     sandbox.upload(task.tests_dir, "/tests")
-    run = sandbox.exec("bash /tests/test.sh > /logs/verifier/test-stdout.txt 2>&1", timeout_s=task.verifier_timeout_s)
+    # One exec: clearing stale results and running the tests together saves a sandbox start per episode.
+    run = sandbox.exec("rm -rf /logs/verifier && mkdir -p /logs/verifier && bash /tests/test.sh > /logs/verifier/test-stdout.txt 2>&1", timeout_s=task.verifier_timeout_s)
     with tempfile.TemporaryDirectory(prefix="tbexp-verifier-") as tmp:
         try:
             sandbox.download("/logs/verifier", Path(tmp))

@@ -179,3 +179,12 @@ def test_start_reaps_what_a_dead_process_left(sandbox_settings, demo_task):
         pass
     assert not (WORK_PARENT / dead_id).exists()
     assert all(g.dirs[0].name != dead_id for g in leftover_cgroups())
+
+
+def test_shell_session_keeps_cwd_and_exported_variables(sandbox):
+    from tbexp.agents.base import ShellSession
+
+    shell = ShellSession(sandbox, "/app")
+    assert shell.run("mkdir -p d && cd d && export FOO=bar && LOCAL=x").exit_code == 0
+    result = shell.run("pwd; echo $FOO; echo ${LOCAL:-unset}; exit 4")
+    assert result.output == "/app/d\nbar\nunset\n" and result.exit_code == 4

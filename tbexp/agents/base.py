@@ -91,11 +91,12 @@ class ShellSession:
 
     def run(self, command: str, timeout_s: float | None = None) -> ExecResult:
         s = self.STATE
+        # Shell builtins only (no `cat`, no `mkdir` unless needed): every fork is CPU the tests need.
         script = (
-            f'cd "$(cat {s}/cwd 2>/dev/null || echo {shlex.quote(self.workdir)})" 2>/dev/null; '
+            f'{{ IFS= read -r __tbexp_cwd < {s}/cwd && cd "$__tbexp_cwd"; }} 2>/dev/null || cd {shlex.quote(self.workdir)} 2>/dev/null; '
             f"[ -f {s}/env ] && . {s}/env 2>/dev/null; "
             f"eval {shlex.quote(command)}\n"
-            f"__tbexp_rc=$?; mkdir -p {s} && pwd > {s}/cwd && export -p > {s}/env; exit $__tbexp_rc"
+            f"__tbexp_rc=$?; {{ [ -d {s} ] || mkdir -p {s}; }} && pwd > {s}/cwd && export -p > {s}/env; exit $__tbexp_rc"
         )
         return self.sandbox.exec(script, timeout_s)
 

@@ -65,13 +65,15 @@ class Cgroup:
     def kill_all(self, timeout_s: float = 5.0) -> None:
         """SIGKILL every process in the group until it is empty (a fork bomb keeps forking)."""
         deadline = time.monotonic() + timeout_s
+        pause_s = 0.0002  # processes already exiting vanish within a fraction of a millisecond
         while (pids := self.pids()) and time.monotonic() < deadline:
             for pid in pids:
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-            time.sleep(0.005)
+            time.sleep(pause_s)
+            pause_s = min(pause_s * 2, 0.005)
 
     def remove(self) -> None:
         self.kill_all()

@@ -1,0 +1,174 @@
+"""tbexp's sandboxes as Harbor environments, so Harbor's own runner can use them.
+
+    EnvironmentConfig(import_path="tbexp.harbor_env:BwrapEnvironment")     # or harbor run -e ...
+    EnvironmentConfig(import_path="tbexp.harbor_env:DockerEnvironment", kwargs={"sandbox": {"cpus": 2}})
+
+`SandboxEnvironment` adapts any `tbexp.sandboxes.base.Sandbox` to
+`harbor.environments.base.BaseEnvironment`: the task directory is the parent of
+Harbor's `environment_dir`, `start`/`stop` are the sandbox's, and each async
+method runs the blocking sandbox call on a thread. Harbor's `exec(command, cwd,
+env, timeout_sec, user)` becomes one `Sandbox.exec` of a script that changes
+directory and exports the variables first. The sandbox node comes from
+`SandboxConfig` defaults, overlaid by the environment's `kwargs["sandbox"]`,
+then by the task's own `memory_mb` / `storage_mb` / `cpus`.
+
+What it simplifies or refuses:
+* Output: stdout and stderr come back interleaved, all in `stdout`; the
+  sandbox's `output_limit_bytes` still applies (a command printing more is
+  killed, exit 125), so Harbor agents that print a lot need a larger limit.
+* Processes: nothing outlives its exec (both sandboxes end whatever a
+  command started), so Harbor agents that keep a background process between
+  execs, like terminus-2's tmux server, cannot run here; `oracle`, `nop` and
+  agents that exec one command at a time can.
+* Users: commands run as the sandbox's own user (root in bwrap, the image's
+  user in Docker); Harbor asking for any user but root is refused at that
+  exec, so tasks with a non-root `[agent].user` or `[verifier].user` fail.
+* Network: tbexp sandboxes have none, so the environment declares
+  `disable_internet` and refuses tasks whose network mode is not `no-network`.
+* No host mounts: Harbor downloads `/logs/...` after each phase instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shlex
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from pathlib import Path
+from typing import Any, ClassVar
+
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # harbor imports litellm, which goes online otherwise
+
+from harbor.environments.base import BaseEnvironment, ExecResult  # noqa: E402
+from harbor.environments.capabilities import EnvironmentCapabilities  # noqa: E402
+from harbor.models.task.config import NetworkMode  # noqa: E402
+from harbor.models.trial.paths import EnvironmentPaths  # noqa: E402
+from hydra.utils import get_class  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+from tbexp.config import SandboxConfig  # noqa: E402
+from tbexp.sandboxes.base import Sandbox  # noqa: E402
+from tbexp.tasks.harbor_task import Task  # noqa: E402
+
+NO_TIMEOUT_S = 24 * 3600.0  # Harbor's timeout_sec=None means "none"; the trial's own time-outs bound the phase
+ROOT_USERS = (None, "root", 0, "0")
+
+# Sandbox calls block for the whole command, so they get their own threads rather than asyncio's
+# default pool (cpu_count + 4 threads), which would queue trials once more of them run at once.
+_threads = ThreadPoolExecutor(max_workers=128, thread_name_prefix="tbexp-harbor-env")
+
+
+class SandboxEnvironment(BaseEnvironment):
+    """A Harbor environment backed by one single-use tbexp sandbox."""
+
+    sandbox_target: ClassVar[str]  # the tbexp Sandbox class, as `_target_`
+    sandbox_name: ClassVar[str]  # its `sandbox.name`, also Harbor's environment type
+
+    def __init__(self, *args: Any, sandbox: dict[str, Any] | None = None, **kwargs: Any):
+        base = OmegaConf.structured(SandboxConfig(_target_=self.sandbox_target, name=self.sandbox_name))
+        self.settings = OmegaConf.merge(base, sandbox or {})
+        super().__init__(*args, **kwargs)
+        self._apply_task_resources()
+        self.task = Task(
+            name=self.environment_name,
+            path=Path(self.environment_dir).parent,
+            instruction="",
+            config={},
+            workdir=self.task_env_config.workdir or "/app",
+        )
+        self.sandbox: Sandbox = get_class(self.sandbox_target)(self.settings, self.task)
+
+    @classmethod
+    def type(cls) -> str:  # Harbor declares it static; a classmethod is called the same way
+        return f"tbexp-{cls.sandbox_name}"
+
+    @property
+    def capabilities(self) -> EnvironmentCapabilities:
+        return EnvironmentCapabilities(disable_internet=True)
+
+    def _validate_definition(self) -> None:
+        dockerfile = Path(self.environment_dir) / "Dockerfile"
+        if not dockerfile.is_file():
+            raise FileNotFoundError(f"{dockerfile}: missing; tbexp sandboxes build every task from its Dockerfile (no prebuilt docker_image, no compose)")
+        if self.network_policy.network_mode != NetworkMode.NO_NETWORK:
+            raise ValueError(
+                f"{self.environment_name}: network_mode={self.network_policy.network_mode.value!r}, "
+                f"but {self.type()} sandboxes have no network; only no-network tasks can run in them"
+            )
+
+    def _apply_task_resources(self) -> None:
+        """The task's own limits win over the node's defaults, as in Harbor's environments."""
+        for key, value in (("memory_mb", self._effective_memory_mb), ("disk_mb", self._effective_storage_mb), ("cpus", self._effective_cpus)):
+            if value:
+                self.settings[key] = value
+
+    async def _call(self, fn, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(_threads, partial(fn, *args))
+
+    async def start(self, force_build: bool) -> None:
+        await self._call(self.sandbox.start)
+        paths = EnvironmentPaths.for_os(self.os)
+        dirs = dict.fromkeys([str(paths.agent_dir), str(paths.verifier_dir), str(paths.artifacts_dir), *self._mount_targets(writable_only=True)])
+        await self.ensure_dirs(list(dirs))  # what Harbor's local environments get from their mounts
+
+    async def stop(self, delete: bool) -> None:
+        await self._call(self.sandbox.stop)  # single-use: stopping always deletes
+
+    async def exec(
+        self,
+        command: str,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout_sec: int | None = None,
+        user: str | int | None = None,
+    ) -> ExecResult:
+        user = self._resolve_user(user)
+        if user not in ROOT_USERS:
+            raise RuntimeError(f"{self.type()}: commands run as root only; the task asks for user {user!r}")
+        script = _with_cwd_and_env(command, cwd, self._merge_env(env))
+        result = await self._call(self.sandbox.exec, script, float(timeout_sec) if timeout_sec else NO_TIMEOUT_S)
+        if callback := self._output_callback():
+            await callback(result.output, "stdout")
+        return ExecResult(stdout=result.output, stderr="", return_code=result.exit_code)
+
+    async def upload_file(self, source_path: Path | str, target_path: str) -> None:
+        await self._call(self.sandbox.upload, Path(source_path), target_path)
+
+    async def upload_dir(self, source_dir: Path | str, target_dir: str) -> None:
+        await self._call(self.sandbox.upload, Path(source_dir), target_dir)
+
+    async def download_file(self, source_path: str, target_path: Path | str) -> None:
+        await self._call(self.sandbox.download, source_path, Path(target_path))
+
+    async def download_dir(self, source_dir: str, target_dir: Path | str) -> None:
+        await self._call(self.sandbox.download, source_dir, Path(target_dir))
+
+
+def _with_cwd_and_env(command: str, cwd: str | None, env: dict[str, str] | None) -> str:
+    """`command` preceded by the `cd` and `export`s Harbor asked for, on lines of their own.
+
+    >>> print(_with_cwd_and_env("ls", "/app", {"A": "1 2"}))
+    cd -- /app || exit 1
+    export A='1 2'
+    ls
+    """
+    lines = [f"cd -- {shlex.quote(cwd)} || exit 1"] if cwd else []
+    lines += [f"export {key}={shlex.quote(str(value))}" for key, value in (env or {}).items()]
+    return "\n".join([*lines, command])
+
+
+class BwrapEnvironment(SandboxEnvironment):
+    sandbox_target = "tbexp.sandboxes.bwrap.BwrapSandbox"
+    sandbox_name = "bwrap"
+
+    def _validate_definition(self) -> None:
+        super()._validate_definition()
+        from tbexp.sandboxes.dockerfile import parse_dockerfile
+
+        parse_dockerfile(Path(self.environment_dir) / "Dockerfile", self.settings.base_image)  # refuses RUN, USER, foreign FROM now, not mid-trial
+
+
+class DockerEnvironment(SandboxEnvironment):
+    sandbox_target = "tbexp.sandboxes.docker.DockerSandbox"
+    sandbox_name = "docker"
