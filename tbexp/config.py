@@ -15,7 +15,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-STAGES_IMPLEMENTED = ("eval", "collect", "sft")
+STAGES_IMPLEMENTED = ("eval", "collect", "sft", "filter")
 POLICIES = ("oracle", "nop", "model")
 
 
@@ -49,6 +49,7 @@ class TaskFilterConfig:
     lower: float = 0.1  # keep tasks with strict solve rate >= lower
     upper: float = 0.8  # ... and <= upper
     k: int = 8  # samples per candidate task
+    split: str = "train"  # where the candidate RL tasks come from
 
 
 @dataclass
@@ -224,6 +225,8 @@ def check(cfg: Any) -> None:
     if cfg.policy not in POLICIES:
         raise ConfigError(f"policy={cfg.policy!r}: choose one of {list(POLICIES)}")
     f = cfg.task_filter
+    if f.name not in ("solve_rate", "none"):
+        raise ConfigError(f"task_filter.name={f.name!r}: choose solve_rate or none")
     if not (0.0 <= f.lower <= 1.0 and 0.0 <= f.upper <= 1.0):
         raise ConfigError(f"task_filter.lower={f.lower}, task_filter.upper={f.upper}: bounds must lie in [0, 1]")
     if f.lower >= f.upper:
@@ -237,7 +240,7 @@ def check(cfg: Any) -> None:
         raise ConfigError(f"tasks.source={cfg.tasks.source!r}: choose builtin or dir")
     if cfg.tasks.source == "dir" and not cfg.tasks.path:
         raise ConfigError("tasks.source=dir needs tasks.path=<directory of Harbor task directories>")
-    for key, split in (("tasks.split", cfg.tasks.split), ("collect.split", cfg.collect.split)):
+    for key, split in (("tasks.split", cfg.tasks.split), ("collect.split", cfg.collect.split), ("task_filter.split", cfg.task_filter.split)):
         if split not in ("train", "heldout"):
             raise ConfigError(f"{key}={split!r}: choose train or heldout")
     if cfg.sft.lr_schedule not in ("cosine", "linear", "constant"):

@@ -1,0 +1,122 @@
+"""The filter stage: keep the RL tasks a checkpoint solves sometimes, but not always.
+
+build (candidate tasks = `task_filter.split`, the policy: normally
+`policy=model` with `load_checkpoint`) → sample `k` episodes per task in fresh sandboxes (or
+read them from the cache) → strict solve rate per task with a Wilson 95%
+interval → keep the tasks whose rate lies in [lower, upper] → write
+`kept_tasks.json` and the per-task table → return counts.
+
+Results are cached under `<cache>/filter/` by a hash of everything that
+decides them: the checkpoint (its path and file contents, or its tinker://
+URI), the task set, k, the agent and the sampling settings. A second run or a
+sweep trial with the same inputs reads the rates instead of resampling.
+`task_filter=none` keeps every candidate without sampling.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from tbexp.agents.base import make_agent
+from tbexp.build import model_runtime
+from tbexp.policies import make_policy
+from tbexp.rollout import run_episode, run_episodes
+from tbexp.tasks import load_task_set
+from tbexp.tracking import Tracker, run_dir, write_summary
+
+log = logging.getLogger(__name__)
+
+
+def run(cfg: Any) -> dict[str, float]:
+    out = run_dir()
+    f = cfg.task_filter
+    tasks = load_task_set(cfg.tasks, split=f.split)
+    if f.name == "none":
+        rates = {t.name: (float("nan"), 0) for t in tasks}
+        kept = [t.name for t in tasks]
+    else:
+        _warn_if_k_too_small(f.k, f.lower)
+        rates = _solve_rates(cfg, tasks, out)
+        kept = [name for name, (rate, _) in sorted(rates.items()) if f.lower <= rate <= f.upper]
+    (out / "kept_tasks.json").write_text(json.dumps({"kept": kept, "rates": {n: r for n, (r, _) in rates.items()}}, indent=1))
+    if f.name != "none":
+        print(_table(rates, f.k, f.lower, f.upper))
+    print(f"kept {len(kept)} of {len(tasks)} tasks with strict solve rate in [{f.lower}, {f.upper}] -> {out / 'kept_tasks.json'}")
+    metrics = {"filter/candidates": float(len(tasks)), "filter/kept": float(len(kept))}
+    if f.name != "none":
+        metrics["filter/mean_solve_rate"] = sum(r for r, _ in rates.values()) / len(rates)
+    tracker = Tracker(out, cfg.logger)
+    tracker.log(metrics)
+    tracker.finish()
+    write_summary(out, metrics)
+    return metrics
+
+
+def _solve_rates(cfg: Any, tasks: list, out: Path) -> dict[str, tuple[float, int]]:
+    """{task: (strict solve rate, valid samples)}, from the cache when the same inputs were sampled before."""
+    cache = Path(cfg.tasks.cache_dir).parent / "filter" / f"{_cache_key(cfg, tasks)}.json"
+    if cache.exists():
+        log.info("filter: solve rates from the cache %s", cache)
+        return {name: tuple(v) for name, v in json.loads(cache.read_text()).items()}
+    agent = make_agent(cfg.agent)
+    runtime = model_runtime(cfg, out / "checkpoints") if cfg.policy == "model" else None
+
+    def run_one(task, run_index):
+        return run_episode(task, run_index, agent, lambda t, a: make_policy(cfg.policy, t, a, runtime), cfg.sandbox, cfg.agent.max_turns)
+
+    jobs = [(task, r) for r in range(cfg.task_filter.k) for task in tasks]
+    episodes = run_episodes(jobs, cfg.eval.concurrency, run_one, desc="filter")
+    rates = {}
+    for task in tasks:
+        valid = [ep for ep in episodes if ep.task.name == task.name and not ep.invalid]
+        rates[task.name] = (sum(ep.report.strict for ep in valid) / len(valid) if valid else float("nan"), len(valid))
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps(rates))
+    return rates
+
+
+def _cache_key(cfg: Any, tasks: list) -> str:
+    h = hashlib.sha256()
+    checkpoint = cfg.load_checkpoint
+    h.update(json.dumps({"model": OmegaConf.to_container(cfg.model), "checkpoint": checkpoint, "policy": cfg.policy, "tasks": [t.name for t in tasks], "k": cfg.task_filter.k, "agent": OmegaConf.to_container(cfg.agent), "sampling": OmegaConf.to_container(cfg.sampling), "suite_seed": cfg.tasks.seed}, sort_keys=True).encode())
+    if checkpoint and Path(checkpoint).is_dir():  # a local checkpoint: its contents, not just its name
+        for file in sorted(Path(checkpoint).rglob("*")):
+            if file.is_file():
+                h.update(file.name.encode() + file.read_bytes())
+    return h.hexdigest()[:24]
+
+
+def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval for a binomial rate.
+
+    >>> [round(x, 3) for x in wilson_interval(1, 8)]
+    [0.022, 0.471]
+    """
+    if n == 0:
+        return (0.0, 1.0)
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+def _warn_if_k_too_small(k: int, lower: float) -> None:
+    miss = (1 - lower) ** k
+    if lower > 0 and miss > 0.2:
+        log.warning("task_filter.k=%d is small for lower=%.2f: a task solved %.0f%% of the time shows no success %.0f%% of the time and is dropped; raise k", k, lower, 100 * lower, 100 * miss)
+
+
+def _table(rates: dict[str, tuple[float, int]], k: int, lower: float, upper: float) -> str:
+    lines = [f"{'task':34} {'solved':>7} {'rate':>6} {'95% CI':>15}  kept"]
+    for name, (rate, n) in sorted(rates.items()):
+        wins = round(rate * n) if n else 0
+        lo, hi = wilson_interval(wins, n)
+        lines.append(f"{name:34} {wins:>3}/{n:<3} {rate:6.2f} [{lo:5.2f}, {hi:5.2f}]  {'yes' if lower <= rate <= upper else ''}")
+    return "\n".join(lines)
