@@ -39,3 +39,25 @@ class Family:
     checks: str  # pytest source with EXPECTED_MARKER where the expected values go
     heldout_only: bool = False  # never in the train split: a family the model has not seen
     allows: Callable[[Combo], bool] = field(default=lambda combo: True)  # rules out combos that make no sense
+
+
+# The checks of every family whose answer is one integer in one file (EXPECTED: out, total).
+SINGLE_INTEGER_CHECKS = '''
+from pathlib import Path
+
+EXPECTED = __EXPECTED__
+OUT = Path(EXPECTED["out"])
+
+
+def test_output_file_exists():
+    assert OUT.is_file(), f"{OUT} was not written"
+
+
+def test_output_is_a_single_integer():
+    text = OUT.read_text().strip()
+    assert text.lstrip("-").isdigit(), f"{OUT} should hold one integer, got {text!r}"
+
+
+def test_total_is_correct():
+    assert int(OUT.read_text().strip()) == EXPECTED["total"]
+'''

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import random
 
-from tbexp.tasks.builtin.family import Combo, Family, TaskSpec
+from tbexp.tasks.builtin.family import Combo, Family, SINGLE_INTEGER_CHECKS, TaskSpec
 
 FILES = ("orders.json", "payments.json", "invoices.json", "sales.json", "refunds.json", "transfers.json")
 FIELDS = ("amount", "price", "qty", "weight", "score", "points", "cost", "hours")
@@ -37,25 +37,7 @@ def build(combo: Combo, rng: random.Random) -> TaskSpec:
     )
 
 
-CHECKS = '''
-from pathlib import Path
-
-EXPECTED = __EXPECTED__
-OUT = Path(EXPECTED["out"])
-
-
-def test_output_file_exists():
-    assert OUT.is_file(), f"{OUT} was not written"
-
-
-def test_output_is_a_single_integer():
-    text = OUT.read_text().strip()
-    assert text.lstrip("-").isdigit(), f"{OUT} should hold one integer, got {text!r}"
-
-
-def test_total_is_correct():
-    assert int(OUT.read_text().strip()) == EXPECTED["total"]
-'''
+CHECKS = SINGLE_INTEGER_CHECKS
 
 FAMILY = Family(
     name="json-sum",
