@@ -61,10 +61,20 @@ def test_the_checkpoint_before_nll_stops_improving_is_chosen(gold, tmp_path, mon
     assert (tmp_path / "chosen_checkpoint.txt").read_text().strip() == best["checkpoint"]
 
 
-def test_patience_stops_early(gold, tmp_path, monkeypatch):
-    _sft(tmp_path, monkeypatch, gold, "sft.steps=30", "sft.learning_rate=0.2", "sft.lr_schedule=constant", "sft.patience=1")
+def test_patience_stops_early_and_keeps_the_checkpoint_before_the_rise(gold, tmp_path, monkeypatch):
+    # Held-out NLL (made up here) improves for two evaluations, then rises.
+    nlls = iter([3.0, 2.0, 2.5, 2.7, 2.9, 3.1])
+    monkeypatch.setattr(sft_stage, "_nll", lambda backend, val: next(nlls))
+    metrics = _sft(tmp_path, monkeypatch, gold, "sft.steps=30", "sft.patience=2")
     evals = json.loads((tmp_path / "sft_state.json").read_text())["evals"]
-    assert evals[-1]["step"] < 30
+    assert [e["step"] for e in evals] == [3, 6, 9, 12]  # two evaluations without improvement, then stop
+    assert metrics["sft/chosen_step"] == 6.0
+
+
+def test_stalled_counts_evaluations_since_the_best():
+    evals = [{"val_nll": v} for v in (3.0, 2.0, 2.5)]
+    assert not sft_stage._stalled(evals, 2) and sft_stage._stalled(evals + [{"val_nll": 2.1}], 2)
+    assert not sft_stage._stalled(evals + [{"val_nll": 9.0}] * 5, 0)  # 0 = never stop early
 
 
 def test_overlong_conversations_are_counted(gold, tmp_path, monkeypatch):
@@ -76,9 +86,9 @@ def test_overlong_conversations_are_counted(gold, tmp_path, monkeypatch):
     renderer = make_renderer(cfg.model.renderer, load_model(cfg.model)[1])
     lengths = sorted(len(renderer.supervised(c)[0]) for c in read_conversations(gold))
     cut = f"sft.max_length_tokens={lengths[len(lengths) // 2]}"  # about half the conversations are longer
-    metrics = _sft(tmp_path, monkeypatch, gold, "sft.steps=1", cut)
+    metrics = _sft(tmp_path, monkeypatch, gold, "sft.steps=1", "sft.val_fraction=0.5", cut)
     assert metrics["sft/dropped_overlong"] > 0
-    metrics = _sft(tmp_path / "t", monkeypatch, gold, "sft.steps=1", cut, "sft.overlong=truncate")
+    metrics = _sft(tmp_path / "t", monkeypatch, gold, "sft.steps=1", "sft.val_fraction=0.5", cut, "sft.overlong=truncate")
     assert metrics["sft/truncated_overlong"] > 0 and metrics["sft/dropped_overlong"] == 0
 
 
@@ -88,3 +98,15 @@ def test_bad_data_file_is_refused_with_the_line(tmp_path, content, needle):
     data.write_text(content)
     out = subprocess.run([sys.executable, "-m", "tbexp", "stage=sft", f"sft.data={data}", f"hydra.run.dir={tmp_path}/run"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and needle in out.stderr and str(data) in out.stderr
+
+
+def test_held_out_rows_only_recombine_words_seen_in_training():
+    def conv(cmd):
+        return [{"role": "user", "content": "do it"}, {"role": "assistant", "content": cmd}]
+
+    rows = [conv(f"cat /app/{a}/{b}.txt") for a in ("logs", "data", "feeds") for b in ("x", "y", "z")] + [conv("ls /app/unique_name")]
+    train, val = sft_stage._split(rows, 0.3, seed=0)
+    train_words = {w for c in train for w in c[1]["content"].replace("/", " ").replace(".", " ").split()}
+    assert len(val) == 3 and conv("ls /app/unique_name") in train
+    for c in val:
+        assert set(c[1]["content"].replace("/", " ").replace(".", " ").split()) <= train_words
