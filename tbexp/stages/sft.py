@@ -92,10 +92,14 @@ def _conversations(cfg: Any) -> list[list[dict[str, str]]]:
     # Default: the oracle's verified turns on the train tasks, collected once per task set and agent.
     from tbexp.stages.collect import collect
 
-    t = cfg.tasks
-    path = run_dir() / "trajectories.jsonl"
-    if t.source == "builtin":
-        path = Path(t.cache_dir).parent / "trajectories" / f"builtin-seed{t.seed}-{t.train_per_family}x{t.heldout_per_family}-{cfg.agent.name}.jsonl"
+    import hashlib
+
+    from tbexp.tasks import load_task_set
+
+    # Cached per exact task set and agent: the same train tasks give the same verified turns.
+    names = [t.name for t in load_task_set(cfg.tasks, split=cfg.collect.split)]
+    key = hashlib.sha256(json.dumps([names, cfg.agent.name, str(cfg.tasks.path), cfg.tasks.seed]).encode()).hexdigest()[:16]
+    path = Path(cfg.tasks.cache_dir).parent / "trajectories" / f"oracle-{cfg.agent.name}-{len(names)}tasks-{key}.jsonl"
     if not path.exists():
         oracle = cfg.copy()
         oracle.policy = "oracle"
