@@ -52,3 +52,24 @@ def model_runtime(cfg: Any, save_dir: Path, backend: TrainingBackend | None = No
     renderer = make_renderer(cfg.model.renderer, backend.tokenizer)
     # No fixed seed: each call draws from the backend's RNG, so n runs of a task differ.
     return ModelRuntime(backend.sampler(), renderer, sampling_params(cfg.sampling, renderer.stop()), cfg.model.max_length_tokens)
+
+
+def run_policy(cfg: Any, tasks: list, n_runs: int, concurrency: int, runtime: Any = None, desc: str = "episodes") -> list:
+    """`n_runs` episodes of `cfg.policy` on every task, each in a fresh sandbox, `concurrency` at a time.
+
+    The policy is built once per task before any sandbox starts, so a policy that
+    cannot act (an oracle without a solution) fails before work is done.
+    """
+    from tbexp.agents.base import make_agent
+    from tbexp.policies import make_policy
+    from tbexp.rollout import run_episode, run_episodes
+
+    agent = make_agent(cfg.agent)
+    for task in tasks:
+        make_policy(cfg.policy, task, agent, runtime)
+
+    def run_one(task, run_index):
+        return run_episode(task, run_index, agent, lambda t, a: make_policy(cfg.policy, t, a, runtime), cfg.sandbox, cfg.agent.max_turns)
+
+    jobs = [(task, r) for r in range(n_runs) for task in tasks]
+    return run_episodes(jobs, concurrency, run_one, desc=desc)

@@ -41,13 +41,13 @@ def test_keeps_the_tasks_between_the_bounds_and_caches_the_rates(tmp_path, monke
     def no_sampling(*args, **kwargs):
         raise AssertionError("resampled although the inputs were cached")
 
-    monkeypatch.setattr(filter_stage, "run_episodes", no_sampling)
+    monkeypatch.setattr(filter_stage, "run_policy", no_sampling)
     _, again = _filter(tmp_path, monkeypatch, candidates, "task_filter.lower=0.0", "task_filter.upper=0.95")
     assert again["rates"] == kept["rates"] and set(again["kept"]) == {"test/coin", "test/never"}
 
 
 def test_none_keeps_everything_without_sampling(tmp_path, monkeypatch, candidates):
-    monkeypatch.setattr(filter_stage, "run_episodes", lambda *a, **k: pytest.fail("task_filter=none must not sample"))
+    monkeypatch.setattr(filter_stage, "run_policy", lambda *a, **k: pytest.fail("task_filter=none must not sample"))
     metrics, kept = _filter(tmp_path, monkeypatch, candidates, "task_filter=none")
     assert metrics["filter/kept"] == 3.0
 

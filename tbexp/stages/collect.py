@@ -13,10 +13,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from tbexp.agents.base import make_agent
-from tbexp.build import model_runtime
-from tbexp.policies import make_policy
-from tbexp.rollout import run_episode, run_episodes
+from tbexp.build import model_runtime, run_policy
 from tbexp.tasks import load_task_set
 from tbexp.tracking import Tracker, run_dir, write_summary
 from tbexp.trajectories import write_conversations
@@ -38,16 +35,8 @@ def run(cfg: Any) -> dict[str, float]:
 def collect(cfg: Any, path: Path) -> dict[str, float]:
     """Run `cfg.policy` on the `cfg.collect.split` tasks; write the verified successes to `path`."""
     tasks = load_task_set(cfg.tasks, split=cfg.collect.split)
-    agent = make_agent(cfg.agent)
     runtime = model_runtime(cfg, path.parent / "checkpoints") if cfg.policy == "model" else None
-    for task in tasks:
-        make_policy(cfg.policy, task, agent, runtime)
-
-    def run_one(task, run_index):
-        return run_episode(task, run_index, agent, lambda t, a: make_policy(cfg.policy, t, a, runtime), cfg.sandbox, cfg.agent.max_turns)
-
-    jobs = [(task, r) for r in range(cfg.collect.n_runs) for task in tasks]
-    episodes = run_episodes(jobs, cfg.collect.concurrency, run_one, desc=f"collect {cfg.policy}")
+    episodes = run_policy(cfg, tasks, cfg.collect.n_runs, cfg.collect.concurrency, runtime, desc=f"collect {cfg.policy}")
     kept = sorted((ep for ep in episodes if not ep.invalid and ep.report.strict), key=lambda ep: (ep.task.name, ep.run))
     rows = [{"task": ep.task.name, "family": ep.task.family, "agent": cfg.agent.name, "policy": cfg.policy, "reward": 1.0, "messages": ep.messages} for ep in kept]
     path.parent.mkdir(parents=True, exist_ok=True)

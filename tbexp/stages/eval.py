@@ -15,11 +15,10 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from tbexp.agents.base import make_agent
-from tbexp.build import model_runtime
+from tbexp.build import model_runtime, run_policy
 from tbexp.plots import plot_eval
-from tbexp.policies import ModelRuntime, make_policy
-from tbexp.rollout import Episode, run_episode, run_episodes
+from tbexp.policies import ModelRuntime
+from tbexp.rollout import Episode
 from tbexp.scoring import score_episodes, summarize, task_rows
 from tbexp.tasks import load_task_set
 from tbexp.tracking import Tracker, run_dir, write_summary
@@ -40,17 +39,9 @@ def evaluate(cfg: Any, out: Path, runtime: ModelRuntime | None = None, label: st
     """Score `cfg.policy` (with `runtime` for policy=model) on `cfg.tasks`; files go under `out`."""
     out.mkdir(parents=True, exist_ok=True)
     tasks = load_task_set(cfg.tasks)
-    agent = make_agent(cfg.agent)
-    for task in tasks:  # refuse a policy that cannot act before any sandbox starts
-        make_policy(cfg.policy, task, agent, runtime)
     name = label or cfg.policy
     log.info("eval %s: %d tasks x %d runs, sandbox=%s, agent=%s", name, len(tasks), cfg.eval.n_runs, cfg.sandbox.name, cfg.agent.name)
-
-    def run_one(task, run_index):
-        return run_episode(task, run_index, agent, lambda t, a: make_policy(cfg.policy, t, a, runtime), cfg.sandbox, cfg.agent.max_turns)
-
-    jobs = [(task, r) for r in range(cfg.eval.n_runs) for task in tasks]
-    episodes = run_episodes(jobs, cfg.eval.concurrency, run_one, desc=f"eval {name}")
+    episodes = run_policy(cfg, tasks, cfg.eval.n_runs, cfg.eval.concurrency, runtime, desc=f"eval {name}")
     episodes.sort(key=lambda ep: (ep.task.name, ep.run))
 
     rewards = score_episodes(episodes, cfg.reward)

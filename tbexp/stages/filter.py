@@ -24,10 +24,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from tbexp.agents.base import make_agent
-from tbexp.build import model_runtime
-from tbexp.policies import make_policy
-from tbexp.rollout import run_episode, run_episodes
+from tbexp.build import model_runtime, run_policy
 from tbexp.tasks import load_task_set
 from tbexp.tracking import Tracker, run_dir, write_summary
 
@@ -65,14 +62,8 @@ def _solve_rates(cfg: Any, tasks: list, out: Path) -> dict[str, tuple[float, int
     if cache.exists():
         log.info("filter: solve rates from the cache %s", cache)
         return {name: tuple(v) for name, v in json.loads(cache.read_text()).items()}
-    agent = make_agent(cfg.agent)
     runtime = model_runtime(cfg, out / "checkpoints") if cfg.policy == "model" else None
-
-    def run_one(task, run_index):
-        return run_episode(task, run_index, agent, lambda t, a: make_policy(cfg.policy, t, a, runtime), cfg.sandbox, cfg.agent.max_turns)
-
-    jobs = [(task, r) for r in range(cfg.task_filter.k) for task in tasks]
-    episodes = run_episodes(jobs, cfg.eval.concurrency, run_one, desc="filter")
+    episodes = run_policy(cfg, tasks, cfg.task_filter.k, cfg.eval.concurrency, runtime, desc="filter")
     rates = {}
     for task in tasks:
         valid = [ep for ep in episodes if ep.task.name == task.name and not ep.invalid]
