@@ -15,7 +15,7 @@ import io
 import random
 import tarfile
 
-from tbexp.tasks.builtin.family import Combo, Family, TaskSpec
+from tbexp.tasks.builtin.family import COUNT_CHECKS, Combo, Family, TaskSpec
 
 DIRS = ("drop", "incoming", "delivery", "backup", "parcel", "transfer")
 MEMBERS = ("data.txt", "names.txt", "items.txt", "notes.txt", "list.txt", "words.txt")
@@ -44,7 +44,7 @@ def build(combo: Combo, rng: random.Random) -> TaskSpec:
             f"tar -tf /app/{folder}/{archive}",
             f"tar -xOf /app/{folder}/{archive} {stem}/{member} | wc -l > /app/{out}",
         ],
-        expected={"out": f"/app/{out}", "lines": line_count},
+        expected={"out": f"/app/{out}", "count": line_count},
     )
 
 
@@ -60,24 +60,7 @@ def _archive_bytes(members: dict[str, str], gzipped: bool) -> bytes:
     return gzip.compress(data, mtime=0) if gzipped else data
 
 
-CHECKS = '''
-from pathlib import Path
-
-EXPECTED = __EXPECTED__
-OUT = Path(EXPECTED["out"])
-
-
-def test_output_file_exists():
-    assert OUT.is_file(), f"{OUT} was not written"
-
-
-def test_output_is_a_single_number():
-    assert OUT.read_text().strip().isdigit(), f"{OUT} should hold one number, got {OUT.read_text()!r}"
-
-
-def test_line_count_is_correct():
-    assert int(OUT.read_text().strip()) == EXPECTED["lines"]
-'''
+CHECKS = COUNT_CHECKS
 
 FAMILY = Family(
     name="archive-lines",

@@ -61,3 +61,24 @@ def test_output_is_a_single_integer():
 def test_total_is_correct():
     assert int(OUT.read_text().strip()) == EXPECTED["total"]
 '''
+
+
+# The checks of every family whose answer is one non-negative count in one file (EXPECTED: out, count).
+COUNT_CHECKS = '''
+from pathlib import Path
+
+EXPECTED = __EXPECTED__
+OUT = Path(EXPECTED["out"])
+
+
+def test_output_file_exists():
+    assert OUT.is_file(), f"{OUT} was not written"
+
+
+def test_output_is_a_single_number():
+    assert OUT.read_text().strip().isdigit(), f"{OUT} should hold one number, got {OUT.read_text()!r}"
+
+
+def test_count_is_correct():
+    assert int(OUT.read_text().strip()) == EXPECTED["count"]
+'''

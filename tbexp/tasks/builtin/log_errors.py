@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 
-from tbexp.tasks.builtin.family import Combo, Family, TaskSpec
+from tbexp.tasks.builtin.family import COUNT_CHECKS, Combo, Family, TaskSpec
 
 LOGS = ("app.log", "server.log", "system.log", "events.log", "daemon.log", "access.log")
 SERVICES = ("auth", "billing", "cache", "db", "gateway", "mailer", "search", "worker")
@@ -43,24 +43,7 @@ def build(combo: Combo, rng: random.Random) -> TaskSpec:
     )
 
 
-CHECKS = '''
-from pathlib import Path
-
-EXPECTED = __EXPECTED__
-OUT = Path(EXPECTED["out"])
-
-
-def test_output_file_exists():
-    assert OUT.is_file(), f"{OUT} was not written"
-
-
-def test_output_is_a_single_number():
-    assert OUT.read_text().strip().isdigit(), f"{OUT} should hold one number, got {OUT.read_text()!r}"
-
-
-def test_count_is_correct():
-    assert int(OUT.read_text().strip()) == EXPECTED["count"]
-'''
+CHECKS = COUNT_CHECKS
 
 FAMILY = Family(
     name="log-errors",
