@@ -15,20 +15,10 @@ DATA_IMG=${TBEXP_DOCKER_DATA_IMG:-/var/lib/tbexp-docker.xfs}
 DATA_DIR=${TBEXP_DOCKER_DATA_DIR:-/var/lib/tbexp-docker}
 
 answering() { timeout 10 docker info >/dev/null 2>&1; }
+engine_answers() { command -v docker >/dev/null && answering; }
 
-if command -v docker >/dev/null && answering; then
-  exit 0
-fi
-if [ "$(id -u)" != 0 ]; then
-  echo "start_dockerd.sh: the Docker engine is not answering and starting it needs root" >&2
-  exit 1
-fi
-
-exec 9>/run/tbexp-dockerd.lock  # one starter at a time (parallel test sessions)
-flock -w 60 9 || echo "start_dockerd.sh: another start has held the lock for 60 s; going on" >&2
-if command -v docker >/dev/null && answering; then
-  exit 0
-fi
+source "$(dirname "${BASH_SOURCE[0]}")/start_once.sh"
+start_once dockerd "the Docker engine" engine_answers
 
 apt_install() {
   [ -n "${APT_UPDATED:-}" ] || { apt-get update -qq >/dev/null; APT_UPDATED=1; }

@@ -15,12 +15,11 @@ from __future__ import annotations
 import functools
 import os
 import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+from tests.services import run_script, skip_or_fail
+
 SETUP_TIMEOUT_S = 900  # apt-get install + debootstrap + import on a cold machine
 
 
@@ -30,22 +29,14 @@ def _unavailable() -> str:
     if shutil.which("docker") is None and os.geteuid() != 0:
         return "no docker client, and installing docker.io needs root"
     for script in ("start_dockerd.sh", "build_base_image.sh"):
-        try:
-            done = subprocess.run(["bash", str(SCRIPTS / script)], capture_output=True, text=True, timeout=SETUP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            return f"scripts/{script} took more than {SETUP_TIMEOUT_S} s"
-        if done.returncode != 0:
-            tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-5:])
-            return f"scripts/{script} failed (exit {done.returncode}): {tail}"
+        _, reason = run_script(script, timeout_s=SETUP_TIMEOUT_S)
+        if reason:
+            return reason
     return ""
 
 
 def docker_or_skip() -> None:
-    reason = _unavailable()
-    if reason:
-        if os.environ.get("TBEXP_REQUIRE_DOCKER") == "1":
-            pytest.fail(f"Docker engine required (TBEXP_REQUIRE_DOCKER=1) but unavailable: {reason}")
-        pytest.skip(f"Docker engine unavailable: {reason}")
+    skip_or_fail("Docker engine", _unavailable(), "TBEXP_REQUIRE_DOCKER")
 
 
 @pytest.fixture(scope="session")

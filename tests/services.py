@@ -1,0 +1,39 @@
+"""Services the tests start themselves (Docker, SLURM, a browser…): start them, or skip saying why.
+
+`run_script(name, *args)` runs scripts/NAME and says why it failed ('' when
+it did not), with the script's last lines. `skip_or_fail(what, reason,
+require_env)` skips the calling test with that reason, or fails it when the
+environment variable `require_env` is 1 (CI machines that are meant to have
+the service).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def run_script(name: str, *args: str, timeout_s: float) -> tuple[subprocess.CompletedProcess | None, str]:
+    """(the finished script or None, why it failed or '')."""
+    try:
+        done = subprocess.run(["bash", str(SCRIPTS / name), *args], capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return None, f"scripts/{name} took more than {timeout_s} s"
+    if done.returncode != 0:
+        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-5:])
+        return done, f"scripts/{name} failed (exit {done.returncode}): {tail}"
+    return done, ""
+
+
+def skip_or_fail(what: str, reason: str, require_env: str) -> None:
+    """Nothing when `reason` is ''; else skip the test, or fail it under `require_env`=1."""
+    if not reason:
+        return
+    if os.environ.get(require_env) == "1":
+        pytest.fail(f"{what} required ({require_env}=1) but unavailable: {reason}")
+    pytest.skip(f"{what} unavailable: {reason}")
