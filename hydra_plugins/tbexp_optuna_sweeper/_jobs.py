@@ -1,0 +1,236 @@
+"""Run one trial's job through Hydra's launcher and say how it ended.
+
+A Hydra launcher's `launch()` takes a batch and returns when the whole batch
+is done. The sweeper calls it with one job at a time, each call on its own
+thread, so a new trial starts the moment any one ends (no batch barrier).
+
+That works as is for launchers whose jobs run in other processes
+(hydra-submitit-launcher: `submitit_local`, `submitit_slurm`). Hydra's basic
+launcher runs the job inside the calling process and keeps per-job state in
+process-wide singletons (HydraConfig, logging, the working directory), so two
+jobs at once would trample each other; and a job that crashes the
+interpreter or is killed would take the sweeper with it. Its calls therefore
+run in a spawned child process each (`IsolatedJob`), which is what the
+joblib launcher does too: the child restores Hydra's singletons, runs the
+basic launcher for the one job and sends back the result. The child is
+killed with the sweeper (PR_SET_PDEATHSIG) and after `trial_timeout_s`, with
+everything it started (it leads its own process group). Its output goes to
+`output.log` in the job directory, so jobs running side by side do not
+interleave on the terminal.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+KILL_GRACE_S = 10.0  # between SIGTERM and SIGKILL when a job times out or the sweep stops
+ERROR_LIMIT_CHARS = 8000
+
+
+@dataclass
+class Outcome:
+    ok: bool  # the job function returned (its value may still be unusable)
+    value: Any = None
+    error: str = ""
+
+
+def launch_in_thread(launcher: Any, overrides: list[str], job_num: int) -> Outcome:
+    """One job through a launcher that runs it elsewhere (submitit); blocks until it ends."""
+    try:
+        ret = launcher.launch([overrides], initial_job_idx=job_num)[0]
+    except BaseException as err:  # noqa: BLE001 - a failed submission or a dead job is this trial's failure, not the sweep's
+        return Outcome(False, error=_describe(err))
+    return _outcome(ret)
+
+
+class IsolatedJob:
+    """One job of an in-process launcher, in a child process of its own."""
+
+    live: set["IsolatedJob"] = set()  # for killing them all when the sweep is stopped
+    _lock = threading.Lock()
+
+    def __init__(self, payload: dict[str, Any], log_path: Path, timeout_s: float):
+        self.payload = payload
+        self.log_path = log_path
+        self.timeout_s = timeout_s
+        self.process: Any = None
+
+    def run(self) -> Outcome:
+        context = multiprocessing.get_context("spawn")  # fork would copy the sweeper's threads and open database connections
+        reader, writer = context.Pipe(duplex=False)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        import cloudpickle  # Hydra's singleton state holds OmegaConf resolvers defined in functions, which plain pickle refuses
+
+        payload = cloudpickle.dumps(self.payload)
+        self.process = context.Process(target=_child_main, args=(payload, writer, os.getpid(), str(self.log_path)), daemon=False)
+        with IsolatedJob._lock:
+            self.process.start()
+            IsolatedJob.live.add(self)
+        writer.close()
+        try:
+            return self._wait(reader)
+        finally:
+            with IsolatedJob._lock:
+                IsolatedJob.live.discard(self)
+
+    def kill(self) -> None:
+        """SIGTERM to the job's process group, SIGKILL after a grace period."""
+        if self.process is None or self.process.pid is None:
+            return
+        _signal_group(self.process.pid, signal.SIGTERM)
+        self.process.join(KILL_GRACE_S)
+        _signal_group(self.process.pid, signal.SIGKILL)
+        self.process.join()
+
+    def _wait(self, reader: Any) -> Outcome:
+        from multiprocessing.connection import wait
+
+        deadline = time.monotonic() + self.timeout_s if self.timeout_s > 0 else None
+        while True:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = wait([reader, self.process.sentinel], timeout=remaining)
+            if reader in ready:
+                try:
+                    outcome = reader.recv()
+                except EOFError:  # the child died before it could answer
+                    outcome = None
+                self.process.join()
+                return outcome or Outcome(False, error=self._death())
+            if self.process.sentinel in ready:
+                self.process.join()
+                return Outcome(False, error=self._death())
+            if deadline is not None and time.monotonic() >= deadline:
+                self.kill()
+                return Outcome(False, error=f"timed out after {self.timeout_s:g} s (trial_timeout_s) and was killed")
+
+    def _death(self) -> str:
+        code = self.process.exitcode
+        if code is not None and code < 0:
+            return f"job process killed by {signal.Signals(-code).name}"
+        return f"job process exited with status {code} without a result"
+
+
+def kill_live_jobs() -> None:
+    with IsolatedJob._lock:
+        jobs = list(IsolatedJob.live)
+    for job in jobs:
+        job.kill()
+
+
+def task_reference(task_function: Any) -> tuple[str, str]:
+    """(module, qualname) under which a spawned child can import the task function.
+
+    `python -m tbexp` runs `tbexp/__main__.py` as `__main__`; the child imports
+    it under its real name (`tbexp.__main__`, where `main()` is not called).
+    A script's `__main__` is re-run by the spawn machinery as the child's
+    `__main__` (under its `if __name__ == "__main__"` guard), so it stays
+    `__main__`.
+    """
+    module = task_function.__module__
+    if module == "__main__":
+        spec = getattr(sys.modules["__main__"], "__spec__", None)
+        if spec is not None:
+            module = spec.name
+    return module, task_function.__qualname__
+
+
+def _child_main(payload_bytes: bytes, conn: Any, parent_pid: int, log_path: str) -> None:
+    os.setsid()  # a process group of its own: a timeout kills the job and whatever it started
+    _die_with_parent(parent_pid)
+    signal.signal(signal.SIGTERM, lambda *_: os.killpg(0, signal.SIGKILL))
+    out = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    import pickle
+
+    from hydra._internal.core_plugins.basic_launcher import BasicLauncher
+    from hydra.core.singleton import Singleton
+
+    payload = pickle.loads(payload_bytes)
+    task_function = _import_task(*payload["task"])  # first: importing it registers the app's schemas and patches
+    Singleton.set_state(payload["singletons"])
+    launcher = BasicLauncher()
+    launcher.setup(hydra_context=payload["hydra_context"], task_function=task_function, config=payload["config"])
+    try:
+        outcome = _outcome(launcher.launch([payload["overrides"]], initial_job_idx=payload["job_num"])[0])
+    except SystemExit as stop:  # the app chose to exit (tbexp: a config error, exit 2)
+        outcome = Outcome(False, error=f"job exited with status {stop.code}")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    conn.send(outcome)
+    conn.close()
+
+
+def _import_task(module: str, qualname: str) -> Any:
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    while hasattr(obj, "__wrapped__"):  # the @hydra.main wrapper -> the function it wraps
+        obj = obj.__wrapped__
+    return obj
+
+
+def _outcome(ret: Any) -> Outcome:
+    from hydra.core.utils import JobStatus
+
+    value = ret._return_value
+    if ret.status == JobStatus.COMPLETED:
+        return Outcome(True, _picklable(value))
+    if isinstance(value, BaseException):
+        print("".join(traceback.format_exception(value)), file=sys.stderr)  # into the job's output.log
+        return Outcome(False, error=_describe(value))
+    return Outcome(False, error=f"job ended with status {ret.status}: {value!r}")
+
+
+def _describe(err: BaseException) -> str:
+    text = f"{type(err).__name__}: {err}"
+    return text if len(text) <= ERROR_LIMIT_CHARS else text[:ERROR_LIMIT_CHARS] + " ..."
+
+
+def _picklable(value: Any) -> Any:
+    if isinstance(value, (int, float, str, bool, type(None))):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _picklable(v) for k, v in value.items()}
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Ask Linux to kill this process when the sweeper dies, even by SIGKILL (no-op elsewhere).
+
+    SIGKILL rather than SIGTERM: a Python handler runs only between bytecodes,
+    and a job blocked in C (a database lock, a long tensor op) would outlive
+    the sweeper by that long. What the job started is left to its own
+    clean-up (tbexp's sandboxes die with their parent or are swept up later).
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:  # the sweeper died before the request took effect
+        os.killpg(0, signal.SIGKILL)
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

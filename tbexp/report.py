@@ -1,0 +1,184 @@
+"""A sweep's report from local data alone: `python -m tbexp.report multirun/smoke`.
+
+Writes `report.md` and its plots into `<sweep dir>/report/` (or `--out`):
+the optimisation history, parameter importances (PED-ANOVA, which needs no
+scikit-learn and copes with a bound that moves with another parameter),
+parallel coordinates, the intermediate values the trials reported to the
+pruner, and the held-out curves of the best trials read from their run
+directories' `metrics.jsonl`, plus a table of every trial with its job
+directory and, for failures, the reason. Nothing needs a server: the study
+comes from its storage (sqlite or journal file, or a PostgreSQL URL), found
+through the `study.yaml` the sweeper leaves in the sweep directory, or given
+with `--storage URL --study NAME`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+from tbexp.study import FAIL_REASON_ATTR, JOB_DIR_ATTR, OBJECTIVE_ATTR, POINTER_FILE, PRUNING_METRIC_ATTR, SWEEP_DIR_ATTR, load_study
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tbexp.report", description=__doc__.splitlines()[0])
+    parser.add_argument("sweep_dir", nargs="?", help="a sweep directory (holds study.yaml), e.g. multirun/smoke")
+    parser.add_argument("--storage", help="the study's storage, instead of a sweep directory")
+    parser.add_argument("--study", help="the study's name, with --storage")
+    parser.add_argument("--out", help="where to write report.md and the plots (default: <sweep dir>/report)")
+    parser.add_argument("--top", type=int, default=5, help="held-out curves of this many best trials")
+    args = parser.parse_args(argv)
+    try:
+        storage, study_name, sweep_dir = _locate(args)
+    except ValueError as err:
+        parser.error(str(err))
+    study = load_study(storage, study_name, create_tables=False)
+    out = Path(args.out) if args.out else Path(study.user_attrs.get(SWEEP_DIR_ATTR) or sweep_dir or ".") / "report"
+    path = write_report(study, out, args.top)
+    print(f"report: {path}")
+    return 0
+
+
+def write_report(study: Any, out: Path, top: int = 5) -> Path:
+    """report.md and its plots in `out`; returns the report's path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from optuna.trial import TrialState
+
+    out.mkdir(parents=True, exist_ok=True)
+    trials = study.get_trials(deepcopy=False)
+    complete = [t for t in trials if t.state == TrialState.COMPLETE]
+    objective = study.user_attrs.get(OBJECTIVE_ATTR, "value")
+    maximise = study.direction.name == "MAXIMIZE"
+    best = sorted(complete, key=lambda t: t.value, reverse=maximise)[:top]
+    plots = {
+        "Optimisation history": _optuna_plot(study, out / "history.png", "plot_optimization_history"),
+        "Parameter importances (PED-ANOVA)": _optuna_plot(study, out / "importances.png", "plot_param_importances", importance=True),
+        "Parallel coordinates": _optuna_plot(study, out / "parallel_coordinates.png", "plot_parallel_coordinate"),
+        "Intermediate values reported to the pruner": _optuna_plot(study, out / "intermediate.png", "plot_intermediate_values"),
+        f"Held-out curves of the {len(best)} best trials": _curves(best, out / "curves.png", objective, study.user_attrs.get(PRUNING_METRIC_ATTR, "")),
+    }
+    counts = {s.name: sum(1 for t in trials if t.state == s) for s in TrialState if any(t.state == s for t in trials)}
+    lines = [f"# Sweep report: study `{study.study_name}`", "", f"Objective: `{objective}`, {'maximised' if maximise else 'minimised'}. Trials: " + ", ".join(f"{n} {k}" for k, n in counts.items()) + ".", ""]
+    if best:
+        b = best[0]
+        lines += [f"**Best: trial {b.number}**, {objective} = {b.value:.4f} with " + ", ".join(f"`{k}={_fmt(v)}`" for k, v in b.params.items()) + f" (`{b.user_attrs.get(JOB_DIR_ATTR, '')}`).", ""]
+    for title, image in plots.items():
+        lines += [f"## {title}", "", f"![{title}]({image.name})" if isinstance(image, Path) else f"_{image}_", ""]
+    lines += ["## Trials", "", *_trial_table(trials)]
+    path = out / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _locate(args: argparse.Namespace) -> tuple[str, str, Path | None]:
+    if args.storage or args.study:
+        if not (args.storage and args.study):
+            raise ValueError("--storage and --study go together")
+        return args.storage, args.study, None
+    if not args.sweep_dir:
+        raise ValueError("give a sweep directory (e.g. multirun/smoke) or --storage URL --study NAME")
+    pointer = Path(args.sweep_dir) / POINTER_FILE
+    if not pointer.is_file():
+        raise ValueError(f"{pointer} does not exist: is {args.sweep_dir} the directory of a tbexp_optuna sweep?")
+    from omegaconf import OmegaConf
+
+    info = OmegaConf.load(pointer)
+    return str(info.storage), str(info.study_name), Path(args.sweep_dir)
+
+
+def _optuna_plot(study: Any, path: Path, name: str, importance: bool = False) -> Path | str:
+    """One of Optuna's matplotlib plots, or why it cannot be drawn (too few trials, say)."""
+    import matplotlib.pyplot as plt
+    import optuna.visualization.matplotlib as ovm
+
+    kwargs: dict[str, Any] = {}
+    if importance:
+        from optuna.importance import PedAnovaImportanceEvaluator
+
+        kwargs["evaluator"] = PedAnovaImportanceEvaluator()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the matplotlib backend is marked experimental
+            ax = getattr(ovm, name)(study, **kwargs)
+    except Exception as err:  # noqa: BLE001 - a plot that cannot be drawn is noted in the report instead
+        plt.close("all")
+        return f"not drawn: {type(err).__name__}: {err}"
+    figure = ax.figure if hasattr(ax, "figure") else ax.flat[0].figure
+    figure.set_size_inches(8, 4.5)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close("all")
+    return path
+
+
+def _curves(best: list[Any], path: Path, objective: str, pruning_metric: str) -> Path | str:
+    """The objective over steps from each best trial's metrics.jsonl; the pruning metric if none logs the objective over steps."""
+    import matplotlib.pyplot as plt
+
+    for metric in dict.fromkeys(m for m in (objective, pruning_metric) if m):
+        series = {t.number: _series(t.user_attrs.get(JOB_DIR_ATTR, ""), metric) for t in best}
+        if any(len(points) > 1 for points in series.values()):
+            break
+    else:
+        return f"not drawn: no best trial's metrics.jsonl has {objective!r} or {pruning_metric!r} at more than one step"
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for t in best:
+        points = series[t.number]
+        if points:
+            ax.plot([s for s, _ in points], [v for _, v in points], marker="o", label=f"trial {t.number} ({t.value:.3g})")
+    ax.set_xlabel("step")
+    ax.set_ylabel(metric)
+    ax.set_title(f"{metric} of the best trials (legend: final {objective})")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _series(job_dir: str, metric: str) -> list[tuple[float, float]]:
+    path = Path(job_dir) / "metrics.jsonl"
+    if not job_dir or not path.is_file():
+        return []
+    points = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # a job killed mid-write leaves half a line
+            continue
+        value = row.get(metric)
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            points.append((row.get("step", len(points)), float(value)))
+    return points
+
+
+def _trial_table(trials: list[Any]) -> list[str]:
+    names = list(dict.fromkeys(k for t in trials for k in t.params))
+    rows = ["| trial | state | value | " + " | ".join(f"`{n}`" for n in names) + " | seconds | job directory / why it failed |", "|---" * (len(names) + 5) + "|"]
+    for t in trials:
+        seconds = f"{t.duration.total_seconds():.0f}" if t.duration else ""
+        value = f"{t.value:.4f}" if t.state.name == "COMPLETE" else ""  # a pruned trial's value is its last intermediate value
+        note = t.user_attrs.get(JOB_DIR_ATTR, "")
+        if t.state.name == "PRUNED":
+            note += f" — pruned at step {t.last_step}"
+        if t.user_attrs.get(FAIL_REASON_ATTR):
+            note += f" — {t.user_attrs[FAIL_REASON_ATTR]}"
+        cells = [_fmt(t.params[n]) if n in t.params else "" for n in names]
+        rows.append(f"| {t.number} | {t.state.name} | {value} | " + " | ".join(cells) + f" | {seconds} | {note.replace('|', '/')[:300]} |")
+    return rows
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
