@@ -16,6 +16,8 @@ import hydra
 from omegaconf import DictConfig
 
 from tbexp.config import ConfigError, check, register
+from tbexp.launchers import assign_local_job_gpus
+from tbexp.tracking import job_run
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 OBJECTIVE = "eval/reward"  # the number a sweep optimises: held-out reward
@@ -33,17 +35,23 @@ def main(cfg: DictConfig) -> float:
     from tbexp.sandboxes.base import SandboxError
     from tbexp.sandboxes.dockerfile import DockerfileError
     from tbexp.tasks import TaskError
+    from tbexp.trial import TrialPruned
     from tbexp.trajectories import DataError
 
     try:
         check(cfg)
+        assign_local_job_gpus()  # before any stage starts CUDA
         random.seed(cfg.seed)
         stage = importlib.import_module(f"tbexp.stages.{cfg.stage.name}")
-        metrics = stage.run(cfg)
+        with job_run(cfg):  # the job's one W&B / Trackio run, if logger says so
+            metrics = stage.run(cfg)
     except (ConfigError, TaskError, PolicyError, SandboxError, DockerfileError, DataError, ModelLoadError, RendererError, BackendError) as err:
         print(f"tbexp: {err}", file=sys.stderr)
         raise SystemExit(2) from None
-    return float(metrics.get(OBJECTIVE, float("nan")))  # stages without a held-out score give no objective
+    except TrialPruned as stop:  # the sweep's pruner ended this trial (already marked PRUNED in the study)
+        print(f"tbexp: {stop}", file=sys.stderr)
+        return float("nan")
+    return float(metrics.get(cfg.trial.objective or OBJECTIVE, float("nan")))  # stages without a held-out score give no objective
 
 
 if __name__ == "__main__":

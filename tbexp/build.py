@@ -40,8 +40,12 @@ def sampling_params(settings: Any, stop: Any, seed: int | None = None):
     return types.SamplingParams(max_tokens=settings.max_tokens, temperature=settings.temperature, top_p=settings.top_p, stop=stop, seed=seed)
 
 
-def model_runtime(cfg: Any, save_dir: Path, backend: TrainingBackend | None = None):
-    """What policy=model episodes share: a sampler over `backend`'s current weights (built from cfg if not given)."""
+def model_runtime(cfg: Any, save_dir: Path, backend: TrainingBackend | None = None, settings: Any = None, seed: int | None = None):
+    """What policy=model episodes share: a sampler over `backend`'s current weights (built from cfg if not given).
+
+    `settings` replaces `cfg.sampling` (GRPO rolls out at its own temperature); `seed` makes
+    every reply's draw a function of (seed, task, run, turn) instead of the backend's RNG.
+    """
     from tbexp.policies import ModelRuntime
     from tbexp.renderers import make_renderer
 
@@ -50,8 +54,8 @@ def model_runtime(cfg: Any, save_dir: Path, backend: TrainingBackend | None = No
         if cfg.load_checkpoint:
             backend.load_state(cfg.load_checkpoint)
     renderer = make_renderer(cfg.model.renderer, backend.tokenizer)
-    # No fixed seed: each call draws from the backend's RNG, so n runs of a task differ.
-    return ModelRuntime(backend.sampler(), renderer, sampling_params(cfg.sampling, renderer.stop()), cfg.model.max_length_tokens)
+    # Without a seed each call draws from the backend's RNG, so n runs of a task differ.
+    return ModelRuntime(backend.sampler(), renderer, sampling_params(settings or cfg.sampling, renderer.stop()), cfg.model.max_length_tokens, seed)
 
 
 def run_policy(cfg: Any, tasks: list, n_runs: int, concurrency: int, runtime: Any = None, desc: str = "episodes") -> list:
@@ -69,7 +73,17 @@ def run_policy(cfg: Any, tasks: list, n_runs: int, concurrency: int, runtime: An
         make_policy(cfg.policy, task, agent, runtime)
 
     def run_one(task, run_index):
-        return run_episode(task, run_index, agent, lambda t, a: make_policy(cfg.policy, t, a, runtime), cfg.sandbox, cfg.agent.max_turns)
+        return run_episode(task, run_index, agent, lambda t, a: make_policy(cfg.policy, t, a, runtime, run_index), cfg.sandbox, cfg.agent.max_turns)
 
     jobs = [(task, r) for r in range(n_runs) for task in tasks]
     return run_episodes(jobs, concurrency, run_one, desc=desc)
+
+
+def with_overrides(cfg: Any, **overrides: Any) -> Any:
+    """A copy of `cfg` with dotted keys set: `with_overrides(cfg, policy="model", **{"eval.n_runs": 2})`."""
+    from omegaconf import OmegaConf
+
+    copy = cfg.copy()
+    for key, value in overrides.items():
+        OmegaConf.update(copy, key, value, merge=False)
+    return copy

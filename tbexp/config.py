@@ -15,7 +15,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-STAGES_IMPLEMENTED = ("eval", "collect", "sft", "filter")
+STAGES_IMPLEMENTED = ("eval", "collect", "sft", "filter", "grpo", "pipeline")
 POLICIES = ("oracle", "nop", "model")
 
 
@@ -50,6 +50,7 @@ class TaskFilterConfig:
     upper: float = 0.8  # ... and <= upper
     k: int = 8  # samples per candidate task
     split: str = "train"  # where the candidate RL tasks come from
+    max_tasks: int = 0  # sample only this many candidates (seeded, across families); 0 = all
 
 
 @dataclass
@@ -98,8 +99,12 @@ class AgentConfig:
 
 @dataclass
 class LoggerConfig:
-    name: str = "none"  # none | wandb; metrics.jsonl in the run directory is always written
+    name: str = "none"  # none | wandb | trackio; metrics.jsonl in the run directory is always written
     project: str = "tbexp"
+    group: str = ""  # "" = the study's name in a sweep, else the experiment's, else the stage's
+    entity: str = ""  # wandb: team or user; "" = the account's default
+    mode: str = ""  # wandb: offline | online | disabled; "" = $WANDB_MODE, else offline (no account needed)
+    dir: str = ""  # wandb: where its files go, "" = the run directory; trackio: its database, "" = $TRACKIO_DIR or ~/.cache/huggingface/trackio
 
 
 @dataclass
@@ -107,6 +112,9 @@ class EvalConfig:
     n_runs: int = 3  # attempts per task; pass@1 is averaged over them
     concurrency: int = 4  # episodes at once
     save_episodes: int = 20  # transcripts kept under episodes/; 0 = none
+    candidates: list[str] = field(default_factory=list)  # compare these (policy names or checkpoints), the first being the incumbent
+    promote_by: str = "eval/strict_success"  # the metric a challenger must beat the incumbent on
+    promote_margin: float = 0.0  # ... by more than this
 
 
 @dataclass
@@ -136,11 +144,50 @@ class SFTConfig:
 
 
 @dataclass
+class GRPOConfig:
+    tasks_file: str = ""  # kept_tasks.json from the filter stage; "" = every task of task_filter.split
+    steps: int = 20  # optimizer steps
+    groups_per_step: int = 4  # tasks per step, each sampled group_size times
+    group_size: int = 16  # episodes per task, each in a fresh sandbox
+    temperature: float = 0.7  # rollouts; eval uses sampling.temperature
+    learning_rate: float = 1.0e-3
+    lr_schedule: str = "constant"  # cosine | linear | constant, after warmup
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 1.0  # 0 = off
+    loss_fn: str = "importance_sampling"  # importance_sampling | ppo
+    clip_low_threshold: float = 0.8  # ppo: ratio bounds
+    clip_high_threshold: float = 1.2
+    scale_by_std: bool = False  # advantage = (reward - group mean) / group std
+    kl_coef: float = 0.0  # penalty on log(pi/pi_start) of the sampled tokens; 0 = off
+    concurrency: int = 8  # episodes at once
+    eval_every: int = 5  # steps between held-out evals (each keeps its checkpoint); the start is evaluated too
+    eval_n_runs: int = 2  # runs per held-out task in those evals
+    eval_at_start: bool = True  # score the starting weights as step 0, so "peak" can be "no RL step helped"
+
+
+@dataclass
+class PipelineConfig:
+    stages: list[str] = field(default_factory=lambda: ["collect", "sft", "filter", "grpo", "eval"])
+
+
+@dataclass
 class CollectConfig:
     split: str = "train"  # which built-in split to collect on
     n_runs: int = 1  # episodes per task; only verified successes are kept
     concurrency: int = 4
     data: str = ""  # where to write the jsonl; "" = trajectories.jsonl in the run directory
+
+
+@dataclass
+class TrialConfig:
+    """Set by the Optuna sweeper (hydra/sweeper=tbexp_optuna) so a job can reach its trial; see tbexp.trial."""
+
+    number: int = -1  # the Optuna trial this job runs; -1 = not in a sweep
+    study: str = ""  # study name
+    storage: str = ""  # the study's storage: an SQLAlchemy URL or a journal file path (tbexp.study)
+    objective: str = ""  # the metric the job returns to the sweeper; "" = eval/reward (tbexp.__main__.OBJECTIVE)
+    pruning_metric: str = ""  # the metric the job reports at its eval points; "" = report nothing
 
 
 @dataclass
@@ -157,7 +204,10 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     collect: CollectConfig = field(default_factory=CollectConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    trial: TrialConfig = field(default_factory=TrialConfig)  # filled in by the sweeper
     load_checkpoint: str = ""  # a checkpoint directory (local) or tinker:// URI for policy=model; "" = the base model
     policy: str = "oracle"  # oracle | nop | model (model needs a training backend)
     seed: int = 0
@@ -252,5 +302,20 @@ def check(cfg: Any) -> None:
     for key, value in (("sft.steps", cfg.sft.steps), ("sft.batch_size", cfg.sft.batch_size), ("sft.eval_every", cfg.sft.eval_every)):
         if value < 1:
             raise ConfigError(f"{key}={value}: must be at least 1")
+    g = cfg.grpo
+    for key, value in (("grpo.steps", g.steps), ("grpo.groups_per_step", g.groups_per_step), ("grpo.eval_every", g.eval_every), ("grpo.eval_n_runs", g.eval_n_runs), ("grpo.concurrency", g.concurrency)):
+        if value < 1:
+            raise ConfigError(f"{key}={value}: must be at least 1")
+    if g.group_size < 2:
+        raise ConfigError(f"grpo.group_size={g.group_size}: a group needs at least 2 episodes to compare")
+    if g.loss_fn not in ("importance_sampling", "ppo"):
+        raise ConfigError(f"grpo.loss_fn={g.loss_fn!r}: choose importance_sampling or ppo")
+    if not 0.0 < g.clip_low_threshold < 1.0 < g.clip_high_threshold:
+        raise ConfigError(f"grpo.clip_low_threshold={g.clip_low_threshold}, grpo.clip_high_threshold={g.clip_high_threshold}: need low < 1 < high")
+    if g.lr_schedule not in ("cosine", "linear", "constant"):
+        raise ConfigError(f"grpo.lr_schedule={g.lr_schedule!r}: choose cosine, linear or constant")
+    unknown = [s for s in cfg.pipeline.stages if s not in ("collect", "sft", "filter", "grpo", "eval")]
+    if unknown:
+        raise ConfigError(f"pipeline.stages has {unknown}: choose from collect, sft, filter, grpo, eval")
     if cfg.reward.name not in ("binary", "per_test", "per_test_efficiency"):
         raise ConfigError(f"reward.name={cfg.reward.name!r}: choose binary, per_test or per_test_efficiency")

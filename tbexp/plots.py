@@ -32,3 +32,25 @@ def plot_eval(rows: list[dict[str, Any]], metrics: dict[str, float], path: Path,
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def plot_curve(points: list[tuple[float, float]], path: Path, title: str, mark: float | None = None, ylabel: str = "held-out reward") -> Path:
+    """One line over steps, with the chosen step marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([x for x, _ in points], [y for _, y in points], marker="o")
+    if mark is not None:
+        ax.axvline(mark, color="grey", linestyle="--", label=f"chosen: step {mark:g}")
+        ax.legend(loc="lower right")
+    ax.set_xlabel("RL step")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

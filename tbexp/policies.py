@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import shlex
 import threading
+import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -70,7 +72,15 @@ class ModelRuntime:
     renderer: Any  # tbexp.renderers.Renderer
     params: Any  # tinker.types.SamplingParams
     max_context_tokens: int = 2048
+    seed: int | None = None  # set: each reply's seed is a function of (seed, task, run, turn), so thread order does not matter
     lock: threading.Lock = field(default_factory=threading.Lock)  # one sample at a time: the CPU is shared anyway
+    queue: Any = None  # a sampler that answers many prompts at once gets its concurrent requests batched
+
+    def __post_init__(self):
+        if self.queue is None and hasattr(self.sampler, "sample_batch"):
+            from tbexp.backends.batch_sampling import BatchQueue
+
+            self.queue = BatchQueue(self.sampler.sample_batch)
 
 
 @dataclass
@@ -81,12 +91,14 @@ class SampledTurn:
 
 
 class ModelPolicy:
-    def __init__(self, task: Task, agent: Agent, runtime: ModelRuntime):
+    def __init__(self, task: Task, agent: Agent, runtime: ModelRuntime, run: int = 0):
         self.uploads: dict[Path, str] = {}
         self.runtime = runtime
         self.tokens: list[int] = []  # the whole episode so far, as the model saw and sampled it
         self.record: list[SampledTurn] = []
+        self.sample_s = 0.0  # time spent sampling, waiting for the lock included
         self.done_reply = agent.format([], done=True)
+        self._seed = None if runtime.seed is None else zlib.crc32(f"{runtime.seed}/{task.name}/{run}".encode())
 
     def act(self, messages: list[dict[str, str]]) -> str:
         r = self.runtime
@@ -98,8 +110,16 @@ class ModelPolicy:
             return self.done_reply  # out of context: end the episode rather than truncate what the model saw
         from tinker import types
 
-        with r.lock:
-            sequence = r.sampler.sample(types.ModelInput.from_ints(self.tokens), 1, r.params).result()[0]
+        params = r.params if self._seed is None else r.params.model_copy(update={"seed": self._seed + len(self.record)})
+        start = time.perf_counter()
+        if r.queue is not None:
+            from tbexp.backends.batch_sampling import Request
+
+            sequence = r.queue.submit(Request(self.tokens, params))
+        else:
+            with r.lock:
+                sequence = r.sampler.sample(types.ModelInput.from_ints(self.tokens), 1, params).result()[0]
+        self.sample_s += time.perf_counter() - start
         self.record.append(SampledTurn(len(self.tokens), list(sequence.tokens), list(sequence.logprobs)))
         self.tokens = self.tokens + list(sequence.tokens)
         return r.renderer.decode_reply(sequence.tokens)
@@ -135,11 +155,11 @@ def solution_turns(script: str) -> list[str] | None:
 POLICIES = {"oracle": OraclePolicy, "nop": NopPolicy}
 
 
-def make_policy(name: str, task: Task, agent: Agent, runtime: ModelRuntime | None = None) -> EpisodePolicy:
+def make_policy(name: str, task: Task, agent: Agent, runtime: ModelRuntime | None = None, run: int = 0) -> EpisodePolicy:
     if name == "model":
         if runtime is None:
             raise PolicyError("policy=model needs a sampler: the stage builds it from backend= and model=")
-        return ModelPolicy(task, agent, runtime)
+        return ModelPolicy(task, agent, runtime, run)
     if name not in POLICIES:
         raise PolicyError(f"policy={name!r}: choose one of {sorted(POLICIES)} or model")
     return POLICIES[name](task, agent)

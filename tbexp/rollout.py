@@ -11,6 +11,7 @@ work happens in sandbox processes, so threads suffice) with a progress bar.
 from __future__ import annotations
 
 import time
+import traceback
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ class Episode:
     invalid: str = ""  # why the episode cannot be scored; "" when it can
     time_s: dict[str, float] = field(default_factory=dict)  # start, agent, verify, stop
     messages: list[dict[str, str]] = field(default_factory=list)
+    policy: Any = None  # what acted; a model policy keeps the episode's sampled tokens (training reads them)
 
     @property
     def n_commands(self) -> int:
@@ -48,7 +50,7 @@ def run_episode(task: Task, run: int, agent: Agent, policy_factory: PolicyFactor
     clock = time.perf_counter()
     sandbox = make_sandbox(sandbox_settings, task)
     try:
-        policy = policy_factory(task, agent)
+        policy = episode.policy = policy_factory(task, agent)
         sandbox.start()
         clock = _lap(episode, "start", clock)
         for local, remote in policy.uploads.items():
@@ -59,6 +61,8 @@ def run_episode(task: Task, run: int, agent: Agent, policy_factory: PolicyFactor
         clock = _lap(episode, "verify", clock)
     except (SandboxError, VerifierError, OSError) as err:
         episode.invalid = f"{type(err).__name__}: {err}"
+    except Exception as err:  # anything else is a bug, but one episode's bug must not end a run of hundreds
+        episode.invalid = f"unexpected {type(err).__name__}: {err}\n{traceback.format_exc()}"
     finally:
         try:
             sandbox.stop()

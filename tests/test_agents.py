@@ -71,3 +71,14 @@ def test_solution_lines_become_turns():
     assert solution_turns("cat <<EOF > a\nx\nEOF\n") is None
     assert solution_turns("echo 'unclosed\nquote'\n") is None
     assert solution_turns("if true; then\necho x\nfi\n") is None
+
+
+def test_a_nul_byte_in_a_command_is_an_invalid_command_not_a_crash():
+    from tbexp.agents.base import ShellSession
+
+    class NeverCalled:
+        def exec(self, script, timeout_s=None):
+            raise AssertionError("a command with a NUL byte must not reach the sandbox")
+
+    result = ShellSession(NeverCalled(), "/app").run("echo a\x00b")
+    assert result.exit_code == 126

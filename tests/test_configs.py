@@ -12,7 +12,7 @@ from tbexp.config import ConfigError, check
 from tests.conftest import CONF, REPO, compose_config
 
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
-GROUP_OPTIONS = sorted((p.parent.name, p.stem) for p in CONF.glob("*/*.yaml") if p.parent.name != "experiment")
+GROUP_OPTIONS = sorted((p.parent.name, p.stem) for p in CONF.glob("*/*.yaml") if p.parent.name not in ("experiment", "sweep"))  # both are added with +; sweeps: tests/test_sweep_configs.py
 
 
 def test_there_are_experiments():
@@ -84,6 +84,10 @@ def test_wrong_type_is_refused():
         (["eval.n_runs=0"], "eval.n_runs"),
         (["policy=oracel"], "policy"),
         (["tasks.split=validation"], "tasks.split"),
+        (["grpo.group_size=1"], "grpo.group_size"),
+        (["grpo.loss_fn=reinforce"], "grpo.loss_fn"),
+        (["grpo.clip_low_threshold=1.1"], "need low < 1 < high"),
+        (["pipeline.stages=[collect,sft,rlhf]"], "pipeline.stages"),
     ],
 )
 def test_unusable_values_are_refused_by_check(overrides, needle):
@@ -101,7 +105,7 @@ def test_bad_bounds_stop_the_command_before_any_work(tmp_path):
 
 
 def test_unimplemented_stage_is_not_pretended():
-    cfg = compose_config("stage.name=grpo")
+    cfg = compose_config("stage.name=distill")
     with pytest.raises(ConfigError, match="implemented stages"):
         check(cfg)
 

@@ -49,9 +49,9 @@ def test_nop_solves_nothing(split, sandbox, tmp_path, monkeypatch):
     assert metrics["eval/strict_success"] == 0.0 and metrics["eval/invalid_episodes"] == 0
 
 
-def test_default_command_writes_the_run_directory(rootfs, tmp_path):
+def test_eval_command_writes_the_run_directory(rootfs, tmp_path):
     run_dir = tmp_path / "run"
-    out = subprocess.run([sys.executable, "-m", "tbexp", f"hydra.run.dir={run_dir}", "tasks.limit=6", "eval.n_runs=2"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-m", "tbexp", "stage=eval", f"hydra.run.dir={run_dir}", "tasks.limit=6", "eval.n_runs=2"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert all(isinstance(summary[k], float) for k in METRICS)
@@ -76,7 +76,7 @@ def test_task_dir_without_tests_is_refused_naming_the_file(tmp_path):
     tasks = tmp_path / "tasks"
     broken = make_task(tasks, "no-tests")
     (broken / "tests" / "test.sh").unlink()
-    out = subprocess.run([sys.executable, "-m", "tbexp", "tasks=dir", f"tasks.path={tasks}", f"hydra.run.dir={tmp_path}/run"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-m", "tbexp", "stage=eval", "tasks=dir", f"tasks.path={tasks}", f"hydra.run.dir={tmp_path}/run"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and f"{broken}/tests/test.sh: missing" in out.stderr
 
 
@@ -84,5 +84,5 @@ def test_broken_task_toml_is_refused_naming_the_file(tmp_path):
     tasks = tmp_path / "tasks"
     broken = make_task(tasks, "bad-toml")
     (broken / "task.toml").write_text("[task\nname = 'x'\n")
-    out = subprocess.run([sys.executable, "-m", "tbexp", "tasks=dir", f"tasks.path={tasks}", f"hydra.run.dir={tmp_path}/run"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-m", "tbexp", "stage=eval", "tasks=dir", f"tasks.path={tasks}", f"hydra.run.dir={tmp_path}/run"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and f"{broken}/task.toml: broken TOML" in out.stderr

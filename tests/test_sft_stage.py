@@ -35,17 +35,17 @@ def gold(tmp_path_factory, rootfs):
 
 def test_resumed_run_ends_where_an_uninterrupted_one_does(gold, tmp_path, monkeypatch):
     straight = _sft(tmp_path / "straight", monkeypatch, gold, "sft.steps=6")
-    real_batch = sft_stage._batch
+    real_batch = sft_stage.epoch_batch
 
     def dies_at_step_4(train, step, batch_size, seed):
         if step == 4:
             raise KeyboardInterrupt  # the job is killed during step 5, after the checkpoint of step 3
         return real_batch(train, step, batch_size, seed)
 
-    monkeypatch.setattr(sft_stage, "_batch", dies_at_step_4)
+    monkeypatch.setattr(sft_stage, "epoch_batch", dies_at_step_4)
     with pytest.raises(KeyboardInterrupt):
         _sft(tmp_path / "interrupted", monkeypatch, gold, "sft.steps=6")
-    monkeypatch.setattr(sft_stage, "_batch", real_batch)
+    monkeypatch.setattr(sft_stage, "epoch_batch", real_batch)
     resumed = _sft(tmp_path / "interrupted", monkeypatch, gold, "sft.steps=6")
     evals = json.loads((tmp_path / "interrupted" / "sft_state.json").read_text())["evals"]
     assert [e["step"] for e in evals] == [3, 6]  # the first three steps were not redone

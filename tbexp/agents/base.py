@@ -90,6 +90,8 @@ class ShellSession:
         self.workdir = workdir
 
     def run(self, command: str, timeout_s: float | None = None) -> ExecResult:
+        if "\x00" in command:  # no process can receive it as an argument: a bash that cannot run it says 126
+            return ExecResult("bash: the command contains a NUL byte and cannot be run", 126)
         s = self.STATE
         # Shell builtins only (no `cat`, no `mkdir` unless needed): every fork is CPU the tests need.
         script = (

@@ -66,6 +66,10 @@ class Sampler(abc.ABC):
     @abc.abstractmethod
     def sample(self, prompt: types.ModelInput, num_samples: int, params: types.SamplingParams) -> Future[list[SampledSequence]]: ...
 
+    @abc.abstractmethod
+    def compute_logprobs(self, prompt: types.ModelInput) -> Future[list[float | None]]:
+        """logp of each prompt token given the ones before it (None for the first), as Tinker's SamplingClient."""
+
 
 class TrainingBackend(abc.ABC):
     """One trainable model (LoRA or full) plus its optimizer state."""
@@ -95,6 +99,10 @@ class TrainingBackend(abc.ABC):
     @abc.abstractmethod
     def load_state(self, path: str) -> None:
         """Restore what `save_state` saved, exactly."""
+
+    @abc.abstractmethod
+    def load_weights(self, path: str) -> None:
+        """Only the weights of a saved state, with a fresh optimizer: a new stage starting from a checkpoint."""
 
     def export_adapter(self, path: str) -> str:
         """Write a LoRA adapter that `PeftModel.from_pretrained(base, path)` loads."""

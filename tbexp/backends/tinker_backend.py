@@ -81,6 +81,11 @@ class TinkerBackend(TrainingBackend):
             raise BackendError(f"backend=tinker resumes only from tinker:// checkpoints, not {path!r}")
         self.client.load_state_with_optimizer(path).result()
 
+    def load_weights(self, path: str) -> None:
+        if not path.startswith("tinker://"):
+            raise BackendError(f"backend=tinker starts only from tinker:// checkpoints, not {path!r}")
+        self.client.load_state(path).result()
+
 
 class TinkerSampler(Sampler):
     def __init__(self, client: Any):
@@ -91,6 +96,9 @@ class TinkerSampler(Sampler):
             return [SampledSequence(list(s.tokens), list(s.logprobs or []), str(s.stop_reason)) for s in response.sequences]
 
         return _Mapped(self.client.sample(prompt=prompt, num_samples=num_samples, sampling_params=params), convert)
+
+    def compute_logprobs(self, prompt: types.ModelInput) -> Future[list[float | None]]:
+        return _Mapped(self.client.compute_logprobs(prompt), list)
 
 
 def _connect(base_url: str) -> Any:

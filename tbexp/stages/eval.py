@@ -13,21 +13,25 @@ import csv
 import json
 import logging
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from tbexp.build import model_runtime, run_policy
 from tbexp.plots import plot_eval
-from tbexp.policies import ModelRuntime
+from tbexp.policies import POLICIES, ModelRuntime
 from tbexp.rollout import Episode
 from tbexp.scoring import score_episodes, summarize, task_rows
 from tbexp.tasks import load_task_set
 from tbexp.tracking import Tracker, run_dir, write_summary
 
 log = logging.getLogger(__name__)
+POLICY_NAMES = (*POLICIES, "model")  # an eval.candidates entry that is not one of these is a checkpoint
 
 
 def run(cfg: Any) -> dict[str, float]:
     out = run_dir()
+    if cfg.eval.candidates:
+        return _compare_candidates(cfg, out)
     runtime = model_runtime(cfg, out / "checkpoints") if cfg.policy == "model" else None
     metrics = evaluate(cfg, out, runtime)
     write_summary(out, metrics)
@@ -35,8 +39,70 @@ def run(cfg: Any) -> dict[str, float]:
     return metrics
 
 
-def evaluate(cfg: Any, out: Path, runtime: ModelRuntime | None = None, label: str = "") -> dict[str, float]:
-    """Score `cfg.policy` (with `runtime` for policy=model) on `cfg.tasks`; files go under `out`."""
+def evaluate_checkpoint(cfg: Any, out: Path, checkpoint: str, label: str, quiet: bool = False) -> dict[str, float]:
+    """policy=model from `checkpoint` ("" = the base model) on `cfg.tasks`."""
+    model_cfg = cfg.copy()
+    model_cfg.policy, model_cfg.load_checkpoint = "model", checkpoint
+    return evaluate(model_cfg, out, model_runtime(model_cfg, out / "checkpoints"), label=label, quiet=quiet)
+
+
+def compare(rows: dict[str, dict[str, float]]) -> str:
+    """One table, a column per candidate: the numbers a promotion decision reads."""
+    keys = ["eval/strict_success", "eval/reward", "eval/pass@1", "eval/valid_command_rate", "eval/avg_turns"]
+    width = max(10, *(len(name) for name in rows))
+    lines = [f"{'':26}" + "".join(f" {name:>{width}}" for name in rows)]
+    for k in keys:
+        lines.append(f"{k:26}" + "".join(f" {m[k]:>{width}.3f}" for m in rows.values()))
+    lines.append(f"{'eval/pass@1 stderr':26}" + "".join(f" {m['eval/pass@1_stderr']:>{width}.3f}" for m in rows.values()))
+    return "\n".join(lines)
+
+
+def _compare_candidates(cfg: Any, out: Path) -> dict[str, float]:
+    """Score every `eval.candidates` entry; the first is the incumbent, the best challenger is promoted if it beats it."""
+    rows: dict[str, dict[str, float]] = {}
+    for candidate in cfg.eval.candidates:
+        label = Path(candidate).name if candidate not in POLICY_NAMES else candidate
+        folder = out / "candidates" / f"{len(rows):02d}-{label.replace('/', '_')}"
+        if candidate in POLICY_NAMES:
+            policy_cfg = cfg.copy()
+            policy_cfg.policy, policy_cfg.load_checkpoint = candidate, ""
+            runtime = model_runtime(policy_cfg, folder / "checkpoints") if candidate == "model" else None
+            rows[label] = evaluate(policy_cfg, folder, runtime, label=label, quiet=True)
+        else:
+            rows[label] = evaluate_checkpoint(cfg, folder, candidate, label=label, quiet=True)
+    verdict = promotion(rows, cfg.eval.promote_by, cfg.eval.promote_margin)
+    print(compare(rows))
+    print(verdict["message"])
+    write_summary(out, {**rows, "promotion": verdict})
+    print(f"run directory: {out}")
+    return rows[verdict["chosen"]]
+
+
+def promotion(rows: dict[str, dict[str, float]], metric: str, margin: float) -> dict[str, Any]:
+    """Promote the best challenger when it beats the incumbent (the first row) by more than `margin` on `metric`.
+
+    >>> promotion({"old": {"m": 0.30}, "new": {"m": 0.36}}, "m", 0.05)["chosen"]
+    'new'
+    >>> promotion({"old": {"m": 0.30}, "new": {"m": 0.33}}, "m", 0.05)["chosen"]
+    'old'
+    """
+    names = list(rows)
+    incumbent = names[0]
+    if len(names) == 1:
+        return {"chosen": incumbent, "promoted": False, "metric": metric, "message": f"only {incumbent}: nothing to compare"}
+    challenger = max(names[1:], key=lambda n: rows[n][metric])
+    gain = rows[challenger][metric] - rows[incumbent][metric]
+    promoted = gain > margin
+    chosen = challenger if promoted else incumbent
+    verb = "PROMOTE" if promoted else "KEEP"
+    return {"chosen": chosen, "promoted": promoted, "metric": metric, "gain": gain, "message": f"{verb} {chosen}: {challenger} {'+' if gain >= 0 else ''}{gain:.3f} {metric} over {incumbent} (margin {margin})"}
+
+
+def evaluate(cfg: Any, out: Path, runtime: ModelRuntime | None = None, label: str = "", quiet: bool = False) -> dict[str, float]:
+    """Score `cfg.policy` (with `runtime` for policy=model) on `cfg.tasks`; files go under `out`.
+
+    `quiet` prints one line instead of the per-task table (evals inside a training loop).
+    """
     out.mkdir(parents=True, exist_ok=True)
     tasks = load_task_set(cfg.tasks)
     name = label or cfg.policy
@@ -44,16 +110,25 @@ def evaluate(cfg: Any, out: Path, runtime: ModelRuntime | None = None, label: st
     episodes = run_policy(cfg, tasks, cfg.eval.n_runs, cfg.eval.concurrency, runtime, desc=f"eval {name}")
     episodes.sort(key=lambda ep: (ep.task.name, ep.run))
 
-    rewards = score_episodes(episodes, cfg.reward)
+    # eval/reward is the per-test fraction whatever reward= trains with, so runs stay comparable;
+    # a different training reward is reported beside it as eval/<name>_reward.
+    rewards = score_episodes(episodes, SimpleNamespace(name="per_test"))
     metrics = summarize(episodes, rewards)
+    if cfg.reward.name != "per_test":
+        trained = score_episodes(episodes, cfg.reward)
+        metrics[f"eval/{cfg.reward.name}_reward"] = summarize(episodes, trained)["eval/reward"]
     rows = task_rows(episodes, rewards)
     tracker = Tracker(out, cfg.logger)
     tracker.log({f"{label}/{k}" if label else k: v for k, v in metrics.items()})
+    tracker.log_table(f"{label}/eval/per_task" if label else "eval/per_task", rows)  # tasks.csv, for W&B / Trackio
     tracker.finish()
     _write_table(out / "tasks.csv", rows)
     plot_eval(rows, metrics, out / "eval.png", title=f"{name} on {len(tasks)} {cfg.tasks.split} tasks")
     _save_transcripts(out / "episodes", episodes, rewards, cfg.eval.save_episodes)
-    print(_format_table(rows, metrics))
+    if quiet:
+        print(f"{name}: reward {metrics['eval/reward']:.3f}, strict {metrics['eval/strict_success']:.3f}, valid commands {metrics['eval/valid_command_rate']:.3f}, turns {metrics['eval/avg_turns']:.2f}")
+    else:
+        print(_format_table(rows, metrics))
     return metrics
 
 

@@ -19,6 +19,7 @@ import hashlib
 import json
 import logging
 import math
+import random
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +34,17 @@ log = logging.getLogger(__name__)
 
 def run(cfg: Any) -> dict[str, float]:
     out = run_dir()
+    metrics = select(cfg, out)
+    write_summary(out, metrics)
+    return metrics
+
+
+def select(cfg: Any, out: Path) -> dict[str, Any]:
+    """Rate the candidates, write `out/kept_tasks.json`; return counts with its path under `filter/kept_tasks`."""
     f = cfg.task_filter
     tasks = load_task_set(cfg.tasks, split=f.split)
+    if f.max_tasks and f.max_tasks < len(tasks):
+        tasks = sorted(random.Random(cfg.seed).sample(tasks, f.max_tasks), key=lambda t: t.name)
     if f.name == "none":
         rates = {t.name: (float("nan"), 0) for t in tasks}
         kept = [t.name for t in tasks]
@@ -42,6 +52,7 @@ def run(cfg: Any) -> dict[str, float]:
         _warn_if_k_too_small(f.k, f.lower)
         rates = _solve_rates(cfg, tasks, out)
         kept = [name for name, (rate, _) in sorted(rates.items()) if f.lower <= rate <= f.upper]
+    out.mkdir(parents=True, exist_ok=True)
     (out / "kept_tasks.json").write_text(json.dumps({"kept": kept, "rates": {n: r for n, (r, _) in rates.items()}}, indent=1))
     if f.name != "none":
         print(_table(rates, f.k, f.lower, f.upper))
@@ -52,8 +63,7 @@ def run(cfg: Any) -> dict[str, float]:
     tracker = Tracker(out, cfg.logger)
     tracker.log(metrics)
     tracker.finish()
-    write_summary(out, metrics)
-    return metrics
+    return {**metrics, "filter/kept_tasks": str(out / "kept_tasks.json")}
 
 
 def _solve_rates(cfg: Any, tasks: list, out: Path) -> dict[str, tuple[float, int]]:

@@ -13,30 +13,47 @@ held-out tasks → metrics.
 Re-running the same command in the same run directory resumes from the last
 checkpoint (`sft_state.json` records the evaluations so far); the batches are a
 function of the seed and the step, so the resumed run sees the same data.
+When SLURM signals that the job is about to be killed (time limit,
+preemption, `scontrol requeue`), the step in progress finishes, a checkpoint is
+saved and the job stops (`tbexp.preemption`); the requeued job resumes from
+it, so no step runs twice.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
-import math
 import random
 from pathlib import Path
 from typing import Any
 
-from tbexp.build import make_backend, model_runtime
+from tbexp import trial
+from tbexp.build import make_backend
+from tbexp.preemption import interruptible
+from tbexp.schedule import epoch_batch, learning_rate
 from tbexp.tracking import Tracker, run_dir, write_summary
 
 log = logging.getLogger(__name__)
 
 
 def run(cfg: Any) -> dict[str, float]:
+    out = run_dir()
+    metrics = train(cfg, out)
+    summary: dict[str, Any] = {"sft_training": metrics}
+    if cfg.sft.eval_after:
+        summary = _evaluate_base_and_chosen(cfg, out, metrics)
+    write_summary(out, summary)
+    return {**metrics, **summary.get("sft", {})}
+
+
+def train(cfg: Any, out: Path) -> dict[str, Any]:
+    """Run (or resume) SFT in `out`; returns metrics with the chosen checkpoint's path under `sft/checkpoint`."""
     from tinker import types
     from tqdm import trange
 
     from tbexp.renderers import make_renderer
 
-    out = run_dir()
     s = cfg.sft
     state_path = out / "sft_state.json"
     state = json.loads(state_path.read_text()) if state_path.exists() else {"step": 0, "evals": []}
@@ -46,15 +63,19 @@ def run(cfg: Any) -> dict[str, float]:
     renderer = make_renderer(cfg.model.renderer, backend.tokenizer)
     max_len = s.max_length_tokens or cfg.model.max_length_tokens
     train, val, counts = _datums(conversations, renderer, max_len, s.overlong, s.val_fraction, cfg.seed)
-    if state["evals"]:
-        backend.load_state(state["evals"][-1]["checkpoint"])
-        log.info("sft: resuming after step %d from %s", state["step"], state["evals"][-1]["checkpoint"])
+    resume = state.get("resume_checkpoint") or (state["evals"][-1]["checkpoint"] if state["evals"] else "")
+    if resume:  # the last checkpoint saved: an evaluation's, save_every's, or the one saved on SLURM's signal
+        backend.load_state(resume)
+        log.info("sft: resuming after step %d from %s", state["step"], resume)
 
     tracker = Tracker(out, cfg.logger)
+    tracker.rewind(state["step"], ("train/", "optim/", "eval/nll"))  # what a killed run did after its last checkpoint
     tracker.log({f"sft/{k}": float(v) for k, v in counts.items()}, step=state["step"])
-    for step in trange(state["step"], s.steps, desc="sft", initial=state["step"], total=s.steps, unit="step"):
-        batch = _batch(train, step, s.batch_size, cfg.seed)
-        lr = _learning_rate(s, step)
+    start = s.steps if _stalled(state["evals"], s.patience) else state["step"]  # an early-stopped run stays stopped
+    steps = trange(start, s.steps, desc="sft", initial=start, total=s.steps, unit="step")
+    for step in interruptible(steps, checkpoint=lambda step: _save_resume_point(backend, state, state_path, step + 1)):
+        batch = epoch_batch(train, step, s.batch_size, cfg.seed)
+        lr = learning_rate(s, step)
         fb = backend.forward_backward(batch, "cross_entropy")
         opt = backend.optim_step(types.AdamParams(learning_rate=lr, weight_decay=s.weight_decay, grad_clip_norm=s.grad_clip_norm))
         fb, opt = fb.result(), opt.result()
@@ -63,25 +84,23 @@ def run(cfg: Any) -> dict[str, float]:
         if (step + 1) % s.eval_every == 0 or done:
             nll = _nll(backend, val)
             state["evals"].append({"step": step + 1, "val_nll": nll, "checkpoint": backend.save_state(f"step-{step + 1:05d}")})
-            state["step"] = step + 1
+            state["step"], state["resume_checkpoint"] = step + 1, state["evals"][-1]["checkpoint"]
             state_path.write_text(json.dumps(state, indent=1))
             tracker.log({"eval/nll": nll}, step=step + 1)
+            trial.report(cfg, "eval/nll", nll, step + 1, higher_is_better=False)  # in a sweep, the pruner may end the job here
+            tracker.log_checkpoint(state["resume_checkpoint"], step + 1)
             if _stalled(state["evals"], s.patience):
                 log.info("sft: held-out NLL has not improved for %d evaluations; stopping at step %d", s.patience, step + 1)
                 break
         elif s.save_every and (step + 1) % s.save_every == 0:
-            backend.save_state(f"step-{step + 1:05d}")
+            _save_resume_point(backend, state, state_path, step + 1)
 
     best = min(state["evals"], key=lambda e: e["val_nll"])
-    metrics = {"sft/chosen_step": float(best["step"]), "sft/val_nll": best["val_nll"], "sft/steps_run": float(state["step"]), **{f"sft/{k}": float(v) for k, v in counts.items()}}
     (out / "chosen_checkpoint.txt").write_text(best["checkpoint"] + "\n")
     print(f"chosen checkpoint: step {best['step']} (held-out NLL {best['val_nll']:.4f}) -> {best['checkpoint']}")
-    summary: dict[str, Any] = {"sft_training": metrics}
-    if s.eval_after:
-        summary = _evaluate_base_and_chosen(cfg, out, backend, best["checkpoint"], metrics)
+    tracker.log_checkpoint(best["checkpoint"], best["step"], "chosen")
     tracker.finish()
-    write_summary(out, summary)
-    return {**metrics, **{k: v for k, v in summary.get("sft", {}).items()}}
+    return {"sft/chosen_step": float(best["step"]), "sft/val_nll": best["val_nll"], "sft/steps_run": float(state["step"]), **{f"sft/{k}": float(v) for k, v in counts.items()}, "sft/checkpoint": best["checkpoint"]}
 
 
 def _conversations(cfg: Any) -> list[list[dict[str, str]]]:
@@ -89,22 +108,7 @@ def _conversations(cfg: Any) -> list[list[dict[str, str]]]:
 
     if cfg.sft.data:
         return read_conversations(cfg.sft.data)
-    # Default: the oracle's verified turns on the train tasks, collected once per task set and agent.
-    from tbexp.stages.collect import collect
-
-    import hashlib
-
-    from tbexp.tasks import load_task_set
-
-    # Cached per exact task set and agent: the same train tasks give the same verified turns.
-    names = [t.name for t in load_task_set(cfg.tasks, split=cfg.collect.split)]
-    key = hashlib.sha256(json.dumps([names, cfg.agent.name, str(cfg.tasks.path), cfg.tasks.seed]).encode()).hexdigest()[:16]
-    path = Path(cfg.tasks.cache_dir).parent / "trajectories" / f"oracle-{cfg.agent.name}-{len(names)}tasks-{key}.jsonl"
-    if not path.exists():
-        oracle = cfg.copy()
-        oracle.policy = "oracle"
-        collect(oracle, path)
-    return read_conversations(path)
+    return read_conversations(oracle_trajectories(cfg))
 
 
 def _datums(conversations, renderer, max_len: int, overlong: str, val_fraction: float, seed: int):
@@ -172,26 +176,12 @@ def _split(conversations: list, val_fraction: float, seed: int) -> tuple[list, l
     return [c for i, c in enumerate(conversations) if i not in chosen], [conversations[i] for i in sorted(chosen)]
 
 
-def _batch(train: list, step: int, batch_size: int, seed: int) -> list:
-    """Rows for `step`: epoch-wise shuffles of the train set, a pure function of (seed, step)."""
-    rows = []
-    for index in range(step * batch_size, (step + 1) * batch_size):
-        epoch, position = divmod(index, len(train))
-        order = list(range(len(train)))
-        random.Random(seed * 1_000_003 + epoch).shuffle(order)
-        rows.append(train[order[position]])
-    return rows
-
-
-def _learning_rate(s: Any, step: int) -> float:
-    if step < s.warmup_steps:
-        return s.learning_rate * (step + 1) / s.warmup_steps
-    progress = (step - s.warmup_steps) / max(1, s.steps - s.warmup_steps)
-    if s.lr_schedule == "cosine":
-        return s.learning_rate * 0.5 * (1 + math.cos(math.pi * progress))
-    if s.lr_schedule == "linear":
-        return s.learning_rate * (1 - progress)
-    return s.learning_rate
+def _save_resume_point(backend, state: dict, state_path: Path, steps_done: int) -> None:
+    """A checkpoint to resume from after `steps_done` steps (save_every, SLURM's signal); not a candidate to choose."""
+    if state["step"] == steps_done:  # this step's evaluation saved one already
+        return
+    state["step"], state["resume_checkpoint"] = steps_done, backend.save_state(f"step-{steps_done:05d}")
+    state_path.write_text(json.dumps(state, indent=1))
 
 
 def _nll(backend, val: list) -> float:
@@ -206,20 +196,25 @@ def _stalled(evals: list[dict], patience: int) -> bool:
     return len(evals) - 1 - best_index >= patience
 
 
-def _evaluate_base_and_chosen(cfg: Any, out: Path, backend, checkpoint: str, training: dict[str, float]) -> dict[str, Any]:
-    from tbexp.stages.eval import evaluate
+def oracle_trajectories(cfg: Any) -> Path:
+    """The oracle's verified turns on the train tasks, collected once per task set and agent."""
+    from tbexp.stages.collect import collect
+    from tbexp.tasks import load_task_set
 
-    model_cfg = cfg.copy()
-    model_cfg.policy = "model"
-    base = evaluate(model_cfg, out / "eval_base", model_runtime(model_cfg, out / "checkpoints"), label="base")
-    backend.load_state(checkpoint)
-    tuned = evaluate(model_cfg, out / "eval_sft", model_runtime(model_cfg, out / "checkpoints", backend), label="sft")
-    print(_before_after(base, tuned))
+    names = [t.name for t in load_task_set(cfg.tasks, split=cfg.collect.split)]
+    key = hashlib.sha256(json.dumps([names, cfg.agent.name, str(cfg.tasks.path), cfg.tasks.seed]).encode()).hexdigest()[:16]
+    path = Path(cfg.tasks.cache_dir).parent / "trajectories" / f"oracle-{cfg.agent.name}-{len(names)}tasks-{key}.jsonl"
+    if not path.exists():
+        oracle = cfg.copy()
+        oracle.policy = "oracle"
+        collect(oracle, path)
+    return path
+
+
+def _evaluate_base_and_chosen(cfg: Any, out: Path, training: dict[str, Any]) -> dict[str, Any]:
+    from tbexp.stages.eval import compare, evaluate_checkpoint
+
+    base = evaluate_checkpoint(cfg, out / "eval_base", "", label="base")
+    tuned = evaluate_checkpoint(cfg, out / "eval_sft", training["sft/checkpoint"], label="sft")
+    print(compare({"base": base, "sft": tuned}))
     return {"base": base, "sft": tuned, "sft_training": training}
-
-
-def _before_after(base: dict[str, float], tuned: dict[str, float]) -> str:
-    keys = ["eval/strict_success", "eval/reward", "eval/pass@1", "eval/valid_command_rate", "eval/avg_turns"]
-    lines = [f"{'':24} {'base':>10} {'sft':>10}"]
-    lines += [f"{k:24} {base[k]:10.3f} {tuned[k]:10.3f}" for k in keys]
-    return "\n".join(lines)

@@ -1,0 +1,92 @@
+#!/usr/bin/env python
+"""scripts/bench_grpo.py: where a default GRPO step's time goes on this machine.
+
+    .venv/bin/python scripts/bench_grpo.py                          # 4 steps from a short SFT of the tiny model
+    .venv/bin/python scripts/bench_grpo.py --checkpoint PATH --steps 6
+
+Runs the GRPO stage exactly as `+experiment=pipeline` configures it (groups of
+16 episodes, 4 groups a step, fresh bubblewrap sandboxes, the local backend)
+on train tasks, from `--checkpoint` or, without one, from a 100-step SFT of
+the tiny model on the oracle's turns (trained once and kept under
+`~/.cache/tbexp/bench/`; the rollouts need a policy that sometimes succeeds,
+or every group is skipped and nothing trains). Held-out evals are off, so
+every second measured belongs to a step.
+
+It prints per step: seconds, episodes per second, and the phases —
+`sample` (wall time the sampler was busy; batches run one at a time),
+`train` (forward_backward + optim_step), and `sandbox` = the rest of the
+rollout wall time, when no sample was being drawn and the step waited on
+sandboxes and tests. The aim: sandboxes and tests take at most a third of a
+step. Also the sandbox-seconds summed over concurrent episodes (`env`,
+`verify`) and the load average, since other work on the machine slows every
+phase. Not a test: the numbers are the output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("TQDM_DISABLE", "1")
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    parser.add_argument("--checkpoint", default="", help="start GRPO from this checkpoint (default: a cached 100-step SFT)")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("overrides", nargs="*", help="extra Hydra overrides, e.g. grpo.concurrency=16")
+    args = parser.parse_args()
+
+    from hydra import compose, initialize_config_dir
+
+    from tbexp.config import register
+
+    register()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        cfg = compose("config", overrides=["+experiment=pipeline", *args.overrides])
+    checkpoint = args.checkpoint or _warm_checkpoint(cfg)
+
+    from tbexp.build import with_overrides
+    from tbexp.stages import grpo
+
+    run = Path(tempfile.mkdtemp(prefix="bench-grpo-"))
+    bench = with_overrides(cfg, policy="model", load_checkpoint=checkpoint, **{"grpo.steps": args.steps, "grpo.eval_at_start": False, "grpo.eval_every": 10**6, "grpo.eval_n_runs": 1})
+    # The stage always scores its last step on the held-out tasks; that eval is not part of any step's time.
+    grpo.train(bench, run)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "time/step" in r]
+    episodes = cfg.grpo.groups_per_step * cfg.grpo.group_size
+    print(f"\nGRPO from {checkpoint}: {cfg.grpo.groups_per_step} groups x {cfg.grpo.group_size} episodes a step, concurrency {cfg.grpo.concurrency}, load average {os.getloadavg()[0]:.1f}")
+    print(f"{'step':>4} {'s/step':>7} {'ep/s':>6} {'sample':>7} {'sandbox':>8} {'train':>6}   {'env sum':>8} {'verify sum':>10} {'reward':>7}")
+    shares = []
+    for r in steps:
+        sandbox = max(r["time/rollout"] - r["time/sample"], 0.0)
+        share = {"sample": r["time/sample"] / r["time/step"], "sandbox": sandbox / r["time/step"], "train": r["time/train"] / r["time/step"]}
+        shares.append(share)
+        print(f"{r['step']:>4} {r['time/step']:7.1f} {episodes / r['time/step']:6.2f} {share['sample']:7.0%} {share['sandbox']:8.0%} {share['train']:6.0%}   {r['time/env']:8.1f} {r['time/verify']:10.1f} {r['rollout/reward_mean']:7.3f}")
+    mean = {k: statistics.fmean(s[k] for s in shares) for k in ("sample", "sandbox", "train")}
+    step_s = statistics.fmean(r["time/step"] for r in steps)
+    print(f"mean: {step_s:.1f} s/step, {episodes / step_s:.2f} episodes/s; sample {mean['sample']:.0%}, sandboxes+tests {mean['sandbox']:.0%} (target <= 33%), train {mean['train']:.0%}")
+
+
+def _warm_checkpoint(cfg) -> str:
+    """A 100-step SFT of the tiny model, trained once per machine and kept."""
+    from tbexp.build import with_overrides
+    from tbexp.stages import sft
+
+    folder = Path(cfg.tasks.cache_dir).parent / "bench" / "sft-100"
+    done = folder / "chosen_checkpoint.txt"
+    if not done.exists():
+        sft.train(with_overrides(cfg, **{"sft.steps": 100, "sft.eval_every": 100}), folder)
+    return done.read_text().strip()
+
+
+if __name__ == "__main__":
+    main()

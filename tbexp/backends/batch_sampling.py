@@ -1,0 +1,149 @@
+"""One reply each for many different prompts in one batched decode, and a queue that forms such batches.
+
+Concurrent episodes each ask for one reply to their own conversation. On a
+CPU, a decode step costs nearly the same for 8 rows as for 1 (the time goes
+to per-layer overhead, not arithmetic), so `BatchQueue` gathers the requests
+waiting at a moment and `sample_batch` answers them together.
+
+`sample_batch` left-pads the prompts to a common length, with an attention
+mask and position ids that count only real tokens, so each row sees exactly
+its own prompt; rows leave the batch (and the KV cache) when they stop. Each
+row draws from its own generator seeded by its request, so what a request
+gets does not depend on which others shared its batch (up to float rounding
+in batched matrix products). Stops and logprobs follow `sampling.py`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+from tinker import types
+from transformers import DynamicCache
+
+from tbexp.backends.base import SampledSequence
+from tbexp.backends.sampling import _cache_kwarg, _generator, _stopped, filter_logits, resolve_stops
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    params: types.SamplingParams
+
+
+@torch.no_grad()
+def sample_batch(model, tokenizer, requests: list[Request], eos_token_ids: list[int]) -> list[SampledSequence]:
+    """One sampled sequence per request; the caller puts the model in eval mode and holds its weights fixed."""
+    device = next(model.parameters()).device
+    stops = [resolve_stops(r.params.stop, eos_token_ids) for r in requests]
+    generators = [_generator(r.params, device) for r in requests]
+    limits = [r.params.max_tokens for r in requests]
+    if any(limit is None for limit in limits):
+        raise ValueError("batched sampling needs SamplingParams.max_tokens")
+    width = max(len(r.prompt) for r in requests)
+    tokens_B_T = torch.zeros(len(requests), width, dtype=torch.long)
+    mask_B_T = torch.zeros(len(requests), width, dtype=torch.long)
+    for b, r in enumerate(requests):
+        tokens_B_T[b, width - len(r.prompt) :] = torch.tensor(r.prompt)
+        mask_B_T[b, width - len(r.prompt) :] = 1
+    tokens_B_T, mask_B_T = tokens_B_T.to(device), mask_B_T.to(device)
+    positions_B_T = (mask_B_T.cumsum(-1) - 1).clamp(min=0)
+
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    cache = DynamicCache(config=lm.config)
+    cache_kw = {_cache_kwarg(lm): cache}
+    out = model(input_ids=tokens_B_T, attention_mask=mask_B_T, position_ids=positions_B_T, use_cache=True, logits_to_keep=1, **cache_kw)
+    logits_B_V = out.logits[:, -1]
+    next_B = positions_B_T[:, -1] + 1
+
+    results = [SampledSequence([], [], "length") for _ in requests]
+    live = list(range(len(requests)))  # row b of the batch is request live[b]
+    while live:
+        logits_B_V = logits_B_V.float()
+        logp_B_V = torch.log_softmax(logits_B_V, dim=-1)
+        picked = [_pick_row(logits_B_V[b], requests[i].params, generators[i]) for b, i in enumerate(live)]
+        keep = []
+        for b, (i, token) in enumerate(zip(live, picked)):
+            seq = results[i]
+            seq.tokens.append(token)
+            seq.logprobs.append(float(logp_B_V[b, token]))
+            if _stopped(seq.tokens, stops[i], tokenizer):
+                seq.stop_reason = "stop"
+            elif len(seq.tokens) < limits[i]:
+                keep.append(b)
+        if not keep:
+            break
+        keep_t = torch.tensor(keep, device=device)
+        if len(keep) < len(live):
+            cache.batch_select_indices(keep_t)
+            mask_B_T, next_B = mask_B_T[keep_t], next_B[keep_t]
+            live = [live[b] for b in keep]
+        picked_B = torch.tensor([picked[b] for b in keep], device=device)
+        mask_B_T = torch.cat([mask_B_T, torch.ones(len(live), 1, dtype=mask_B_T.dtype, device=device)], dim=1)
+        out = model(input_ids=picked_B[:, None], attention_mask=mask_B_T, position_ids=next_B[:, None], use_cache=True, **cache_kw)
+        logits_B_V = out.logits[:, -1]
+        next_B = next_B + 1
+    return results
+
+
+def _pick_row(logits_V: torch.Tensor, params: types.SamplingParams, generator: torch.Generator | None) -> int:
+    if params.temperature == 0:
+        return int(logits_V.argmax())
+    logits_1_V = filter_logits(logits_V[None] / params.temperature, params.top_k, params.top_p)
+    return int(torch.multinomial(torch.softmax(logits_1_V, dim=-1), 1, generator=generator))
+
+
+class BatchQueue:
+    """Answers `submit(request)` from many threads by running `run_batch` over whatever is waiting.
+
+    The first caller to find no batch running runs one itself over every
+    request queued so far; the others wait for their answers. No timer: a
+    batch is whatever arrived while the previous one ran, so a lone caller
+    never waits and a busy moment fills the batch by itself.
+    """
+
+    def __init__(self, run_batch, max_batch: int = 64):
+        self.run_batch = run_batch
+        self.max_batch = max_batch
+        self._lock = threading.Lock()
+        self._waiting: list[tuple[Request, Future]] = []
+        self._running = False
+        self.batches = 0  # for benchmarks: how many batches, of how many requests, taking how long
+        self.requests = 0
+        self.busy_s = 0.0
+
+    def submit(self, request: Request) -> SampledSequence:
+        future: Future = Future()
+        with self._lock:
+            self._waiting.append((request, future))
+        while not future.done():
+            with self._lock:
+                if self._running or not self._waiting:
+                    batch = None
+                else:
+                    batch, self._waiting = self._waiting[: self.max_batch], self._waiting[self.max_batch :]
+                    self._running = True
+            if batch is None:
+                try:
+                    return future.result(timeout=0.005)  # another thread's batch may hold this request
+                except TimeoutError:
+                    continue
+            start = time.perf_counter()
+            try:
+                answers = self.run_batch([r for r, _ in batch])
+                for (_, f), answer in zip(batch, answers):
+                    f.set_result(answer)
+            except BaseException as err:  # every waiter learns of the failure, not only this thread
+                for _, f in batch:
+                    if not f.done():
+                        f.set_exception(err)
+            finally:
+                with self._lock:
+                    self._running = False
+                    self.batches += 1
+                    self.requests += len(batch)
+                    self.busy_s += time.perf_counter() - start
+        return future.result()

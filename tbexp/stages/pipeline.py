@@ -1,0 +1,107 @@
+"""The pipeline stage: the whole recipe in one job, each part handing its chosen checkpoint to the next.
+
+collect (the oracle's verified turns on the train tasks, cached per task set)
+→ sft (LoRA SFT; the checkpoint before held-out NLL stops improving) → eval of
+the base model and of that checkpoint on the held-out tasks → filter (the RL
+tasks the SFT checkpoint solves `lower`–`upper` of the time, sampled at the RL
+temperature) → grpo from the SFT checkpoint on the kept tasks (the checkpoint
+at peak held-out reward) → eval of that checkpoint → the base / SFT / SFT+RL
+table, printed and saved (`table.md`), the RL curve (`rl_curve.png`) and
+`summary.json` = {"base": …, "sft": …, "rl": …, plus each part's own numbers}.
+
+Each part works in its own folder under the run directory and resumes there;
+`pipeline_state.json` records the parts already done, so re-running the same
+command in the same directory continues where it stopped. The job's value
+(what a sweep optimises) is the final held-out reward.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+
+from tbexp.build import with_overrides
+from tbexp.tracking import Tracker, run_dir, write_summary
+
+log = logging.getLogger(__name__)
+
+
+def run(cfg: Any) -> dict[str, float]:
+    from tbexp.stages import filter as filter_stage
+    from tbexp.stages import grpo, sft
+    from tbexp.stages.eval import compare, evaluate_checkpoint, promotion
+
+    out = run_dir()
+    done = _Done(out / "pipeline_state.json")
+    parts = cfg.pipeline.stages
+    checkpoint = cfg.load_checkpoint  # "" = the base model
+
+    if "collect" in parts:
+        data = done.get("collect", lambda: {"collect/data": str(sft.oracle_trajectories(cfg))})["collect/data"]
+        cfg = with_overrides(cfg, **{"sft.data": data})
+    if "sft" in parts:
+        training = done.get("sft_training", lambda: sft.train(cfg, out / "sft"))
+        checkpoint = training["sft/checkpoint"]
+        done.get("base", lambda: evaluate_checkpoint(cfg, out / "eval_base", cfg.load_checkpoint, label="base", quiet=True))
+        done.get("sft_eval", lambda: evaluate_checkpoint(cfg, out / "eval_sft", checkpoint, label="sft", quiet=True))
+    if "filter" in parts:
+        # Solve rates at the temperature RL will sample at: that is the rate that decides whether a group teaches.
+        filter_cfg = with_overrides(cfg, policy="model", load_checkpoint=checkpoint, **{"sampling.temperature": cfg.grpo.temperature})
+        kept = done.get("filter", lambda: filter_stage.select(filter_cfg, out / "filter"))
+        cfg = with_overrides(cfg, **{"grpo.tasks_file": kept["filter/kept_tasks"]})
+    if "grpo" in parts:
+        rl = done.get("grpo", lambda: grpo.train(with_overrides(cfg, load_checkpoint=checkpoint), out / "grpo"))
+        checkpoint = rl["grpo/checkpoint"]
+        if (out / "grpo" / "grpo.png").exists():
+            shutil.copyfile(out / "grpo" / "grpo.png", out / "rl_curve.png")
+    if "eval" in parts and ("grpo" in parts or "sft" not in parts):  # an SFT-only pipeline's last row is the sft row
+        done.get("final_eval", lambda: evaluate_checkpoint(cfg, out / "eval_final", checkpoint, label="sft+rl" if "grpo" in parts else "final", quiet=True))
+
+    names = {"base": "base", "sft_eval": "sft", "final_eval": "rl" if "grpo" in parts else "final"}
+    rows = {name: done.results[key] for key, name in names.items() if key in done.results}
+    summary = {**rows, **{k: v for k, v in done.results.items() if k not in names}}
+    table = compare(rows) if rows else "no eval rows (pipeline.stages has no eval part)"
+    if len(rows) > 1:  # the gate of the raw-command recipe: does the last checkpoint beat the first row?
+        summary["promotion"] = promotion(rows, cfg.eval.promote_by, cfg.eval.promote_margin)
+        table += "\n" + summary["promotion"]["message"]
+    write_summary(out, summary)
+    (out / "table.md").write_text(_markdown(rows) + ("\n" + summary["promotion"]["message"] + "\n" if "promotion" in summary else "") if rows else table + "\n")
+    print(table)
+    tracker = Tracker(out, cfg.logger)
+    tracker.log({f"{name}/{k}": v for name, metrics in rows.items() for k, v in metrics.items()})
+    tracker.finish()
+    print(f"run directory: {out}")
+    final = list(rows.values())[-1] if rows else {}
+    return {k: v for k, v in final.items() if isinstance(v, float)}
+
+
+class _Done:
+    """Results of the parts already finished, kept in a json file so a re-run skips them."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.results: dict[str, dict[str, Any]] = json.loads(path.read_text()) if path.exists() else {}
+
+    def get(self, part: str, work: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        if part not in self.results:
+            self.results[part] = work()
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.results, indent=1))
+            tmp.replace(self.path)
+        else:
+            log.info("pipeline: %s already done in this run directory", part)
+        return self.results[part]
+
+
+def _markdown(rows: dict[str, dict[str, float]]) -> str:
+    keys = [("strict success", "eval/strict_success"), ("per-test reward", "eval/reward"), ("pass@1", "eval/pass@1"), ("valid-command rate", "eval/valid_command_rate"), ("avg turns", "eval/avg_turns")]
+    lines = ["| held-out | " + " | ".join(label for label, _ in keys) + " |", "|---" * (len(keys) + 1) + "|"]
+    for name, m in rows.items():
+        cells = [f"{m[k]:.3f}" if k != "eval/pass@1" else f"{m[k]:.3f} ± {m['eval/pass@1_stderr']:.3f}" for _, k in keys]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

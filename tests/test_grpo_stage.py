@@ -1,0 +1,159 @@
+"""The GRPO stage: group advantages, datums on the sampled tokens, real steps in sandboxes, resume, robustness."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tbexp.policies import SampledTurn
+from tbexp.stages import grpo as grpo_stage
+from tests.conftest import compose_config
+
+
+def _episode(task: str, reward_tests: dict[str, str], record: list[SampledTurn], tokens: list[int], invalid: str = ""):
+    from tbexp.verifier import TestReport
+
+    policy = SimpleNamespace(record=record, tokens=tokens, sample_s=0.0)
+    return SimpleNamespace(task=SimpleNamespace(name=task), invalid=invalid, report=TestReport(reward_tests), policy=policy, turns=[None] * len(record))
+
+
+def test_advantages_are_centred_per_group_and_sit_on_the_sampled_tokens_only():
+    # Prompt [1, 2], reply [3, 4] (sampled), observation [5], reply [6] (sampled).
+    record = [SampledTurn(2, [3, 4], [-0.1, -0.2]), SampledTurn(5, [6], [-0.3])]
+    tokens = [1, 2, 3, 4, 5, 6]
+    win, lose = _episode("t", {"a": "passed"}, record, tokens), _episode("t", {"a": "failed"}, record, tokens)
+    rewards = {id(win): 1.0, id(lose): 0.0}
+    datums, counts = grpo_stage._datums([win, lose], rewards, scale_by_std=False, reference=None, kl_coef=0.0)
+    assert counts["datums"] == 2 and counts["groups_skipped"] == 0 and counts["sampled_tokens"] == 6
+    d = datums[0].loss_fn_inputs
+    assert datums[0].model_input.to_ints() == tokens[:-1] and d["target_tokens"].tolist() == tokens[1:]
+    # target i is token i+1: tokens 3, 4 and 6 were sampled; the advantage is (1 - 0.5) / 6 sampled tokens
+    assert d["advantages"].tolist() == pytest.approx([0, 0.5 / 6, 0.5 / 6, 0, 0.5 / 6])
+    assert d["logprobs"].tolist() == pytest.approx([0, -0.1, -0.2, 0, -0.3])
+    assert datums[1].loss_fn_inputs["advantages"].tolist()[1] == pytest.approx(-0.5 / 6)
+
+
+def test_constant_groups_and_invalid_episodes_teach_nothing():
+    record = [SampledTurn(1, [2], [-0.5])]
+    same = [_episode("same", {"a": "passed"}, record, [1, 2]) for _ in range(3)]
+    broken = _episode("mixed", {}, record, [1, 2], invalid="SandboxError: gone")
+    mixed = [_episode("mixed", {"a": "passed"}, record, [1, 2]), _episode("mixed", {"a": "failed"}, record, [1, 2]), broken]
+    rewards = {id(ep): 1.0 for ep in same} | {id(mixed[0]): 1.0, id(mixed[1]): 0.0}
+    datums, counts = grpo_stage._datums(same + mixed, rewards, scale_by_std=True, reference=None, kl_coef=0.0)
+    assert counts["groups"] == 2 and counts["groups_skipped"] == 1 and counts["datums"] == 2
+    # scaled by the group's std (0.5): advantages ±1 per sampled token share
+    assert datums[0].loss_fn_inputs["advantages"].tolist() == pytest.approx([1.0 / 2], rel=1e-5)
+
+
+def test_kl_penalty_lowers_the_advantage_where_the_policy_left_its_start():
+    record = [SampledTurn(1, [2, 3], [-0.5, -0.5])]
+    a, b = _episode("t", {"a": "passed"}, record, [1, 2, 3]), _episode("t", {"a": "failed"}, record, [1, 2, 3])
+    reference = SimpleNamespace(compute_logprobs=lambda prompt: SimpleNamespace(result=lambda: [None, -1.5, -0.5]))
+    datums, counts = grpo_stage._datums([a, b], {id(a): 1.0, id(b): 0.0}, scale_by_std=False, reference=reference, kl_coef=0.1)
+    # token 2: log pi - log pi_start = -0.5 - (-1.5) = 1.0 -> advantage 0.5 - 0.1; token 3: no drift
+    assert datums[0].loss_fn_inputs["advantages"].tolist() == pytest.approx([(0.5 - 0.1) / 4, 0.5 / 4])
+    assert counts["kl_start"] == pytest.approx(2 * 1.0 / 4)
+
+
+@pytest.fixture(scope="module")
+def warm_start(tmp_path_factory, rootfs) -> str:
+    """A checkpoint that solves the three RL tasks some of the time: a few SFT steps on their oracle turns."""
+    from tbexp.stages import sft
+    from tbexp.stages.collect import collect
+
+    folder = tmp_path_factory.mktemp("warm")
+    collect(compose_config("tasks.limit=3", "tasks.families=[file-move]", "collect.split=train"), folder / "gold.jsonl")
+    cfg = compose_config("stage=sft", f"sft.data={folder / 'gold.jsonl'}", "tasks.limit=3", "tasks.families=[file-move]", "sft.steps=30", "sft.batch_size=4", "sft.eval_every=30", "sft.learning_rate=0.01", "sft.val_fraction=0.34", "sft.patience=0")
+    return sft.train(cfg, folder / "sft")["sft/checkpoint"]
+
+
+GRPO = ["stage=grpo", "policy=model", "reward=per_test", "tasks.limit=3", "tasks.families=[file-move]", "task_filter.max_tasks=0", "grpo.groups_per_step=3", "grpo.group_size=6", "grpo.temperature=1.2", "grpo.eval_every=2", "grpo.eval_n_runs=1", "sampling.max_tokens=48", "agent.max_turns=3"]
+
+
+def _grpo(run_dir, monkeypatch, checkpoint, *overrides):
+    run_dir.mkdir(parents=True, exist_ok=True)
+    monkeypatch.chdir(run_dir)
+    cfg = compose_config(*GRPO, f"load_checkpoint={checkpoint}", *overrides)
+    return grpo_stage.run(cfg)
+
+
+def _rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+@pytest.mark.sandbox
+def test_steps_log_where_time_went_and_keep_the_peak(warm_start, tmp_path, monkeypatch):
+    metrics = _grpo(tmp_path, monkeypatch, warm_start, "grpo.steps=2", "grpo.learning_rate=0.01")
+    steps = [r for r in _rows(tmp_path) if "rollout/reward_mean" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert sum(r["rollout/datums"] for r in steps) > 0, "every group had equal rewards: nothing was trained"
+    for key in ("time/sample", "time/env", "time/verify", "time/train", "rollout/strict_success", "rollout/valid_command_rate", "rollout/turns", "rollout/invalid_episodes"):
+        assert key in steps[0], key
+    state = json.loads((tmp_path / "grpo_state.json").read_text())
+    assert [e["step"] for e in state["evals"]] == [0, 2]
+    best = max(state["evals"], key=lambda e: (e["eval/reward"], -e["step"]))
+    assert metrics["grpo/best_step"] == best["step"] and metrics["grpo/checkpoint"] == best["checkpoint"]
+    assert (tmp_path / "grpo.png").stat().st_size > 0
+    assert not (tmp_path / "checkpoints" / "step-00001").exists()  # superseded and not an eval point
+
+
+@pytest.mark.slow
+@pytest.mark.sandbox
+def test_a_resumed_run_ends_where_an_uninterrupted_one_does(warm_start, tmp_path, monkeypatch):
+    # One episode at a time, so every batch of samples holds one request and the numbers are exactly repeatable.
+    settings = ("grpo.steps=3", "grpo.concurrency=1", "grpo.eval_at_start=false", "grpo.eval_every=3", "grpo.learning_rate=0.05", "reward=per_test")
+    _grpo(tmp_path / "straight", monkeypatch, warm_start, *settings)
+    real_step = grpo_stage._step
+
+    def dies_at_step_2(cfg, backend, reference, tasks, step):
+        if step == 2:
+            raise KeyboardInterrupt  # killed during the third step, after the second step's checkpoint
+        return real_step(cfg, backend, reference, tasks, step)
+
+    monkeypatch.setattr(grpo_stage, "_step", dies_at_step_2)
+    with pytest.raises(KeyboardInterrupt):
+        _grpo(tmp_path / "resumed", monkeypatch, warm_start, *settings)
+    monkeypatch.setattr(grpo_stage, "_step", real_step)
+    _grpo(tmp_path / "resumed", monkeypatch, warm_start, *settings)
+
+    straight, resumed = _rows(tmp_path / "straight"), _rows(tmp_path / "resumed")
+    assert any("train/loss" in r for r in straight), "no step trained: the comparison would prove nothing"
+    key = ("rollout/reward_mean", "rollout/sampled_tokens", "train/loss")
+    assert [[r.get(k) for k in key] for r in straight if "rollout/reward_mean" in r] == [[r.get(k) for k in key] for r in resumed if "rollout/reward_mean" in r]
+    w1 = load_file(tmp_path / "straight" / "checkpoints" / "step-00003" / "trainable.safetensors")
+    w2 = load_file(tmp_path / "resumed" / "checkpoints" / "step-00003" / "trainable.safetensors")
+    assert all(torch.equal(w1[k], w2[k]) for k in w1)
+
+
+@pytest.mark.slow
+@pytest.mark.sandbox
+def test_a_broken_episode_is_dropped_and_the_step_goes_on(warm_start, tmp_path, monkeypatch):
+    import tbexp.rollout as rollout
+
+    real_verify = rollout.verify
+    calls = iter(range(1000))
+
+    def verify_breaks_once(sandbox, task):
+        if next(calls) == 1:
+            raise OSError("the verifier's disk went away")
+        return real_verify(sandbox, task)
+
+    monkeypatch.setattr(rollout, "verify", verify_breaks_once)
+    _grpo(tmp_path, monkeypatch, warm_start, "grpo.steps=1", "grpo.eval_at_start=false", "grpo.eval_every=1")
+    step = next(r for r in _rows(tmp_path) if "rollout/reward_mean" in r)
+    assert step["rollout/invalid_episodes"] == 1.0
+
+
+def test_no_kept_tasks_is_a_clear_error(tmp_path):
+    from tbexp.trajectories import DataError
+
+    kept = tmp_path / "kept_tasks.json"
+    kept.write_text(json.dumps({"kept": [], "rates": {}}))
+    cfg = compose_config("stage=grpo", f"grpo.tasks_file={kept}", "tasks.limit=3", "tasks.families=[file-move]")
+    with pytest.raises(DataError, match="no RL tasks kept"):
+        grpo_stage._rl_tasks(cfg)

@@ -1,0 +1,79 @@
+"""The pipeline stage end to end on a miniature of the defaults, and the eval stage's comparison and promotion gate."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tbexp.stages.eval import promotion
+from tests.conftest import REPO
+
+MINIATURE = [
+    "+experiment=pipeline",
+    "tasks.families=[file-move,needle-file]",
+    "tasks.limit=4",
+    "sft.steps=20",
+    "sft.batch_size=4",
+    "sft.eval_every=10",
+    "sft.val_fraction=0.25",
+    "task_filter.lower=0.0",
+    "task_filter.upper=1.0",
+    "task_filter.k=2",
+    "task_filter.max_tasks=4",
+    "grpo.steps=2",
+    "grpo.groups_per_step=2",
+    "grpo.group_size=3",
+    "grpo.eval_every=2",
+    "grpo.eval_n_runs=1",
+    "eval.n_runs=1",
+    "sampling.max_tokens=48",
+    "agent.max_turns=3",
+]
+
+
+def _tbexp(*args, timeout=1500):
+    return subprocess.run([sys.executable, "-m", "tbexp", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+@pytest.mark.sandbox
+def test_pipeline_writes_the_base_sft_rl_table_and_resumes(rootfs, tmp_path):
+    run = tmp_path / "run"
+    out = _tbexp(*MINIATURE, f"hydra.run.dir={run}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    for row in ("base", "sft", "rl"):
+        for key in ("eval/strict_success", "eval/reward", "eval/pass@1", "eval/pass@1_stderr", "eval/valid_command_rate", "eval/avg_turns"):
+            assert key in summary[row], (row, key)
+    assert summary["grpo"]["grpo/checkpoint"].startswith(str(run / "grpo" / "checkpoints"))
+    assert summary["filter"]["filter/kept"] == 4.0  # bounds [0, 1] keep every candidate
+    assert "| sft+rl |" not in (run / "table.md").read_text() and "| rl |" in (run / "table.md").read_text()
+    assert (run / "rl_curve.png").stat().st_size > 0
+    assert "strict_success" in out.stdout  # the table is printed
+
+    # The same command in the same directory redoes nothing.
+    again = _tbexp(*MINIATURE, f"hydra.run.dir={run}")
+    assert again.returncode == 0, again.stderr[-3000:]
+    said = again.stdout + again.stderr
+    assert said.count("already done") == 7 and "rollouts" not in said  # collect, sft, base, sft eval, filter, grpo, final eval
+    assert json.loads((run / "summary.json").read_text())["rl"] == summary["rl"]
+
+
+@pytest.mark.sandbox
+def test_eval_compares_candidates_and_gives_a_promotion_verdict(rootfs, tmp_path):
+    out = _tbexp("stage=eval", "tasks.limit=2", "eval.n_runs=1", "eval.candidates=[nop,oracle]", f"hydra.run.dir={tmp_path}", timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["oracle"]["eval/strict_success"] == 1.0 and summary["nop"]["eval/strict_success"] == 0.0
+    assert summary["promotion"]["chosen"] == "oracle" and summary["promotion"]["promoted"]
+    assert "PROMOTE oracle" in out.stdout
+
+
+def test_promotion_keeps_the_incumbent_unless_beaten_by_the_margin():
+    rows = {"base": {"eval/strict_success": 0.40}, "a": {"eval/strict_success": 0.42}, "b": {"eval/strict_success": 0.38}}
+    assert promotion(rows, "eval/strict_success", 0.0)["chosen"] == "a"
+    verdict = promotion(rows, "eval/strict_success", 0.05)
+    assert verdict["chosen"] == "base" and not verdict["promoted"] and "KEEP base" in verdict["message"]

@@ -1,0 +1,142 @@
+"""The SFT and GRPO loops, unchanged, through `backend=tinker`.
+
+The Tinker service cannot be reached from this machine, so `tinker.ServiceClient`
+is replaced by a stand-in at the SDK's boundary. Unlike the one in
+test_tinker_backend.py, this stand-in does real work: behind the SDK's method
+names and result shapes it trains and samples the tiny model with the local
+engine, so the stages' loops run end to end through `TinkerBackend` —
+pipelined futures, `tinker://` checkpoints, resume from a URI — exactly as
+they would against the service.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from tinker import types
+
+from tests.conftest import compose_config
+
+pytestmark = [pytest.mark.slow, pytest.mark.sandbox]
+
+
+class Later:
+    """A future that does its work only when asked for the result, as the SDK's do from the caller's view."""
+
+    def __init__(self, log, name, work):
+        self.log, self.name, self.work = log, name, work
+
+    def result(self):
+        self.log.append(f"wait {self.name}")
+        return self.work()
+
+
+class StandInTraining:
+    def __init__(self, service, rank, seed):
+        from tbexp.backends.local import LocalBackend
+        from tbexp.models import load_model
+
+        model, tokenizer = load_model(compose_config().model, device="cpu")
+        self.service, self.log = service, service.log
+        self.local = LocalBackend(model, tokenizer, lora_rank=rank, lora_alpha=rank, lora_dropout=0.0, lora_targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], device="cpu", seed=seed, save_dir=service.store)
+
+    def get_tokenizer(self):
+        return self.local.tokenizer
+
+    def forward_backward(self, data, loss_fn, loss_fn_config=None):
+        self.log.append(f"submit forward_backward {loss_fn}")
+        return Later(self.log, "forward_backward", lambda: _output(self.local.forward_backward(data, loss_fn, loss_fn_config).result()))
+
+    def forward(self, data, loss_fn, loss_fn_config=None):
+        self.log.append(f"submit forward {loss_fn}")
+        return Later(self.log, "forward", lambda: _output(self.local.forward(data, loss_fn, loss_fn_config).result()))
+
+    def optim_step(self, adam):
+        self.log.append("submit optim_step")
+        return Later(self.log, "optim_step", lambda: SimpleNamespace(metrics={f"optim/{k}": v for k, v in self.local.optim_step(adam).result().items()}))
+
+    def save_state(self, name):
+        path = self.local.save_state(name)
+        return Later(self.log, "save_state", lambda: SimpleNamespace(path=f"tinker://stand-in/{Path(path).name}"))
+
+    def load_state_with_optimizer(self, uri):
+        self.log.append(f"load_state_with_optimizer {uri}")
+        return Later(self.log, "load", lambda: self.local.load_state(self.service.local_path(uri)))
+
+    def load_state(self, uri):
+        self.log.append(f"load_state {uri}")
+        return Later(self.log, "load", lambda: self.local.load_weights(self.service.local_path(uri)))
+
+    def save_weights_and_get_sampling_client(self):
+        sampler = self.local.sampler()
+
+        def sample(prompt, num_samples, sampling_params):
+            seqs = sampler.sample(prompt, num_samples, sampling_params).result()
+            return Later(self.log, "sample", lambda: SimpleNamespace(sequences=[SimpleNamespace(tokens=s.tokens, logprobs=s.logprobs, stop_reason=s.stop_reason) for s in seqs]))
+
+        client = SimpleNamespace(sample=sample, compute_logprobs=lambda prompt: sampler.compute_logprobs(prompt))
+        return Later(self.log, "sampling_client", lambda: client)
+
+
+def _output(result):
+    outputs = [{"logprobs": types.TensorData.from_numpy(np.array(lp, dtype="float32"))} for lp in result.logprobs]
+    return SimpleNamespace(metrics={"loss:sum": result.loss, **result.metrics}, loss_fn_outputs=outputs)
+
+
+class StandInService:
+    def __init__(self, store: Path):
+        self.store, self.log = store, []
+
+    def local_path(self, uri: str) -> str:
+        return str(self.store / uri.removeprefix("tinker://stand-in/"))
+
+    def create_lora_training_client(self, base_model, rank, seed, train_attn, train_mlp, train_unembed):
+        self.log.append(f"create {base_model} rank={rank}")
+        return Later(self.log, "create", lambda: StandInTraining(self, rank, seed))
+
+    def create_training_client_from_state_with_optimizer(self, uri):
+        raise AssertionError("the stages build a fresh client and load_state into it")
+
+
+@pytest.fixture
+def tinker_service(tmp_path, monkeypatch):
+    import tbexp.backends.tinker_backend as tinker_backend
+
+    service = StandInService(tmp_path / "service")
+    monkeypatch.setattr(tinker_backend, "_connect", lambda base_url: service)
+    return service
+
+
+def test_sft_runs_unchanged_on_tinker_with_pipelined_steps_and_uri_checkpoints(rootfs, tmp_path, tinker_service):
+    from tbexp.stages import sft
+    from tbexp.stages.collect import collect
+
+    collect(compose_config("tasks.limit=4", "tasks.families=[file-move]"), tmp_path / "gold.jsonl")
+    cfg = compose_config("backend=tinker", "model.lora_rank=8", f"sft.data={tmp_path / 'gold.jsonl'}", "sft.steps=4", "sft.batch_size=2", "sft.eval_every=2", "sft.val_fraction=0.25", "sft.patience=0")
+    metrics = sft.train(cfg, tmp_path / "sft")
+    state = json.loads((tmp_path / "sft" / "sft_state.json").read_text())
+    assert [e["checkpoint"] for e in state["evals"]] == ["tinker://stand-in/step-00002", "tinker://stand-in/step-00004"]
+    assert metrics["sft/checkpoint"].startswith("tinker://")
+    log = tinker_service.log
+    first = log.index("submit forward_backward cross_entropy")
+    assert log[first : first + 4] == ["submit forward_backward cross_entropy", "submit optim_step", "wait forward_backward", "wait optim_step"]
+
+
+def test_grpo_runs_unchanged_on_tinker_from_a_tinker_checkpoint(rootfs, tmp_path, tinker_service):
+    from tbexp.stages import grpo
+
+    # A starting checkpoint saved by the service: the stage loads its weights only (fresh optimizer).
+    cfg = compose_config("backend=tinker", "model.lora_rank=8", "policy=model")
+    from tbexp.build import make_backend
+
+    start = make_backend(cfg, tmp_path / "unused").save_state("start")
+    overrides = ["stage=grpo", "backend=tinker", "model.lora_rank=8", "policy=model", f"load_checkpoint={start}", "tasks.limit=2", "tasks.families=[file-move]", "reward=per_test", "grpo.steps=1", "grpo.groups_per_step=2", "grpo.group_size=2", "grpo.eval_at_start=false", "grpo.eval_n_runs=1", "grpo.temperature=1.5", "sampling.max_tokens=24", "agent.max_turns=2"]
+    metrics = grpo.train(compose_config(*overrides), tmp_path / "grpo")
+    assert f"load_state {start}" in tinker_service.log
+    assert metrics["grpo/checkpoint"] == "tinker://stand-in/step-00001"
+    rows = [json.loads(line) for line in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()]
+    assert any("rollout/reward_mean" in r for r in rows) and any("heldout/reward" in r for r in rows)
