@@ -9,7 +9,7 @@ from tinker import types
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from tbexp.backends.local import LocalBackend
+from tbexp.backends.local import PACKED_ATTENTION, LocalBackend, _microbatches
 from tbexp.backends.logprobs import naive_target_logprobs, target_logprobs
 from tbexp.backends.sampling import filter_logits
 
@@ -70,18 +70,20 @@ def sgd(lr: float = 1e-2) -> types.AdamParams:
 # ---- chunked log-softmax ----
 
 
-@pytest.mark.parametrize("chunk", [1, 3, 7, 16, 100])
-def test_chunked_logprobs_equal_naive_values_and_gradients(chunk):
+@pytest.mark.parametrize(("chunk", "compiled"), [(1, None), (3, None), (7, None), (16, None), (100, None), (3, "aot_eager"), (16, "aot_eager")])
+def test_chunked_logprobs_equal_naive_values_and_gradients(chunk, compiled):
     g = torch.Generator().manual_seed(0)
     h = torch.randn(16, 8, generator=g, requires_grad=True)
     w = torch.randn(50, 8, generator=g, requires_grad=True)
     bias = torch.randn(50, generator=g, requires_grad=True)
     t = torch.randint(0, 50, (16,), generator=g)
     up = torch.randn(16, generator=g)
-    got = target_logprobs(h, w, t, bias, chunk_size=chunk)
-    grads_got = torch.autograd.grad((got * up).sum(), (h, w, bias))
-    want = torch.log_softmax(h @ w.T + bias, -1).gather(1, t[:, None]).squeeze(1)
-    grads_want = torch.autograd.grad((want * up).sum(), (h, w, bias))
+    bias = bias if compiled is None else None  # the fused softmax is for unbiased heads
+    got = target_logprobs(h, w, t, bias, chunk_size=chunk, compile_backend=compiled)
+    inputs = (h, w) if bias is None else (h, w, bias)
+    grads_got = torch.autograd.grad((got * up).sum(), inputs)
+    want = torch.log_softmax(h @ w.T + (0 if bias is None else bias), -1).gather(1, t[:, None]).squeeze(1)
+    grads_want = torch.autograd.grad((want * up).sum(), inputs)
     torch.testing.assert_close(got, want)
     for a, b in zip(grads_got, grads_want):
         torch.testing.assert_close(a, b)
@@ -162,10 +164,11 @@ def test_ppo_clips_the_ratio_and_zeroes_the_clipped_gradient(tmp_path):
 # ---- batching ----
 
 
-@pytest.mark.parametrize("microbatch_tokens", [8192, 20])
-def test_padded_batch_equals_per_datum(tmp_path, microbatch_tokens):
-    b = backend(tmp_path, microbatch_tokens=microbatch_tokens)
-    data = [sft_datum(random_tokens(n, seed=n), [float(i % 3) for i in range(n - 1)]) for n in (5, 13, 9, 2)]
+@pytest.mark.parametrize("packing", [False, True])
+@pytest.mark.parametrize(("microbatch_tokens", "lengths"), [(8192, (5, 13, 9, 2)), (20, (5, 13, 9, 2)), (8192, (7, 7, 7))])
+def test_padded_or_packed_batch_equals_per_datum(tmp_path, microbatch_tokens, lengths, packing):
+    b = backend(tmp_path, microbatch_tokens=microbatch_tokens, packing=packing)
+    data = [sft_datum(random_tokens(n, seed=n + i), [float(i % 3) for i in range(n - 1)]) for i, n in enumerate(lengths)]
     batched = b.forward_backward(data, "cross_entropy").result()
     batched_grads = grads(b)
     b.optimizer.zero_grad(set_to_none=True)
@@ -176,6 +179,40 @@ def test_padded_batch_equals_per_datum(tmp_path, microbatch_tokens):
         torch.testing.assert_close(torch.tensor(got), torch.tensor(single.logprobs[0]), atol=1e-5, rtol=0)
     for name, g in grads(b).items():
         torch.testing.assert_close(batched_grads[name], g, atol=1e-5, rtol=1e-4)
+    assert b._lm.config._attn_implementation != PACKED_ATTENTION  # packed attention only during packed passes
+
+
+def test_packed_microbatches_hold_whole_datums_within_the_budget():
+    rows = [{"tokens": torch.zeros(n)} for n in (5, 13, 9, 2, 4)]
+    assert _microbatches(rows, 20, packed=True) == [[1], [2, 0, 4, 3]]  # longest first: 13, then 9+5+4+2
+    assert _microbatches(rows, 20) == [[1], [2, 0], [4, 3]]  # padded: rows × longest
+    assert _microbatches(rows, 3, packed=True) == [[1], [2], [0], [4], [3]]  # a datum over the budget goes alone
+
+
+def test_compiled_layers_and_other_kernels_give_the_same_loss_and_gradients(tmp_path):
+    data = [sft_datum(random_tokens(n, seed=n)) for n in (6, 11)]
+    # inductor's compile is slow on CPU; aot_eager runs the same capture. MATH is the one SDPA kernel every CPU has.
+    eager, compiled = backend(tmp_path), backend(tmp_path, compile_backend="aot_eager", logprob_chunk_tokens=3, sdpa_backend="math")
+    assert compiled.forward_backward(data, "cross_entropy").result().loss == pytest.approx(eager.forward_backward(data, "cross_entropy").result().loss, rel=1e-6)
+    for name, g in grads(eager).items():
+        torch.testing.assert_close(grads(compiled)[name], g)
+    assert compiled.sampler().sample(_prompt(), 2, GREEDY).result()[0].tokens == eager.sampler().sample(_prompt(), 2, GREEDY).result()[0].tokens
+
+
+def test_bf16_keeps_trainable_weights_fp32_and_matches_fp32_loosely(tmp_path):
+    data = [sft_datum(random_tokens(n, seed=n)) for n in (6, 11)]
+    fp32, bf16 = backend(tmp_path), backend(tmp_path, dtype="bfloat16")
+    assert {p.dtype for p in bf16._params.values()} == {torch.float32}
+    assert {p.dtype for n, p in bf16.model.named_parameters() if n not in bf16._params} == {torch.bfloat16}
+    want, got = fp32.forward_backward(data, "cross_entropy").result(), bf16.forward_backward(data, "cross_entropy").result()
+    assert got.loss == pytest.approx(want.loss, rel=2e-2)
+    torch.testing.assert_close(torch.tensor(got.logprobs[1]), torch.tensor(want.logprobs[1]), atol=0.1, rtol=0)
+    assert {g.dtype for g in grads(bf16).values()} == {torch.float32} and any(torch.count_nonzero(g) for g in grads(bf16).values())
+    bf16.optim_step(sgd()).result()
+    assert len(bf16.sampler().sample(_prompt(), 2, GREEDY).result()[1].tokens) == GREEDY.max_tokens
+    full = backend(tmp_path, lora_rank=0, dtype="bfloat16")  # full fine-tuning: every weight trains, so every weight stays fp32
+    assert {p.dtype for p in full.model.parameters()} == {torch.float32}
+    assert full.forward_backward(data, "cross_entropy").result().loss == pytest.approx(want.loss, rel=2e-2)
 
 
 def test_gradient_checkpointing_gives_the_same_gradients(tmp_path):
@@ -361,6 +398,24 @@ def test_sampler_is_a_snapshot(tmp_path):
     assert [s.logprobs for s in fresh] != [s.logprobs for s in before]
 
 
+@pytest.mark.parametrize("params", [GREEDY, types.SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=4, stop=[])])
+def test_static_decode_samples_what_the_dynamic_decode_does(tmp_path, params):
+    plain, static = backend(tmp_path), backend(tmp_path, cuda_graph_sampling=True)  # on CPU: the static cache, no graph
+    want, got = plain.sampler().sample(_prompt(), 3, params).result(), static.sampler().sample(_prompt(), 3, params).result()
+    assert [s.tokens for s in got] == [s.tokens for s in want]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-5, rtol=0)
+
+
+def test_static_decode_ends_each_row_at_its_stop(tmp_path):
+    static = backend(tmp_path, cuda_graph_sampling=True)
+    stopping = static.sampler().sample(_prompt(), 8, types.SamplingParams(max_tokens=30, temperature=1.0, seed=0, stop=["!", "#"])).result()
+    assert {s.stop_reason for s in stopping} == {"stop", "length"}
+    for s in stopping:
+        text = static.tokenizer.decode(s.tokens)
+        assert (text[-1] in "!#" and not any(c in text[:-1] for c in "!#")) if s.stop_reason == "stop" else len(s.tokens) == 30
+
+
 def test_filter_logits_top_k_and_top_p():
     logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]]))
     kept = lambda x: torch.isfinite(x)[0].tolist()  # noqa: E731
@@ -369,3 +424,19 @@ def test_filter_logits_top_k_and_top_p():
     assert kept(filter_logits(logits, -1, 0.45)) == [True, False, False, False, False]
     assert kept(filter_logits(logits, -1, 0.01)) == [True, False, False, False, False]
     assert kept(filter_logits(logits, 3, 0.99)) == [True, True, True, False, False]
+
+
+def test_lora_reaches_moe_expert_parameters_through_target_parameters(tmp_path):
+    # gpt-oss keeps its experts as 3-D tensors, not nn.Linear: only target_parameters puts LoRA on them.
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    config = GptOssConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, layer_types=["full_attention", "sliding_attention"])
+    torch.manual_seed(0)
+    backend = LocalBackend(GptOssForCausalLM(config), None, lora_rank=4, lora_alpha=8, lora_dropout=0.0, lora_targets=["q_proj", "v_proj"], lora_target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], device="cpu", save_dir=tmp_path)
+    trainable = [n for n, p in backend.model.named_parameters() if p.requires_grad]
+    assert any("experts" in n and "lora" in n for n in trainable) and any("q_proj" in n for n in trainable)
+    datum = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3, 4]), loss_fn_inputs={"target_tokens": [2, 3, 4, 5], "weights": [1.0] * 4})
+    before = {n: p.detach().clone() for n, p in backend.model.named_parameters() if "experts" in n and p.requires_grad}
+    backend.forward_backward([datum], "cross_entropy").result()
+    backend.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    assert any(not torch.equal(before[n], p) for n, p in backend.model.named_parameters() if n in before)  # the experts' LoRA trained

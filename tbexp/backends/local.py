@@ -3,12 +3,34 @@
 forward_backward: datums are sorted by length and grouped into micro-batches
 of at most `microbatch_tokens` padded tokens, right-padded with an attention
 mask (causal attention means real positions never see the padding, so each
-datum's logprobs equal those of running it alone). The decoder gives hidden
-states; the target logprobs come from the LM head a chunk of positions at a
-time (`logprobs.py`), so [T, V] logits never exist whole. Each micro-batch's
-loss — a sum over tokens, as Tinker defines it — is backpropagated at once,
-and gradients add up until `optim_step`. The whole call runs eagerly; the
-returned future is already done.
+datum's logprobs equal those of running it alone); a micro-batch of equal
+lengths gets no mask, so SDPA runs its plain causal (flash) kernel. With
+`packing`, a micro-batch is instead one row of concatenated datums (at most
+`microbatch_tokens` real tokens) whose position_ids restart at each datum,
+and during these passes the model's attention is `_packed_attention`: each
+datum attends only within itself through torch's Flash varlen kernel on CUDA
+(one SDPA call per datum elsewhere), so no compute goes to padding and no
+[T, T] mask is built. Sampling keeps the model's own attention. The
+decoder gives hidden states; the target logprobs come from the LM head a
+chunk of positions at a time (`logprobs.py`), so [T, V] logits never exist
+whole. Each micro-batch's loss — a sum over tokens, as Tinker defines it — is
+backpropagated at once, and gradients add up until `optim_step`. Inputs go to
+the device before any work is queued and the losses and logprobs stay there
+until the call's end, so a call syncs with the device once. The whole call
+runs eagerly; the returned future is already done.
+
+GPU knobs, all off by default: `dtype` ("bfloat16") stores the frozen weights
+in that dtype and runs forward passes (training and sampling) under autocast
+to it, while trainable weights stay fp32 for the optimizer; peft's cast of
+each LoRA input to fp32 is switched off, since autocast recasts it anyway.
+`compile_backend` ("inductor") torch.compiles each decoder layer for
+gradient-taking passes only (one graph reused by every layer; sampling and
+`forward` stay eager, where 1-token steps would only recompile), and fuses
+the chunked log-softmax (`logprobs.py`), whose chunk is `logprob_chunk_tokens`
+positions. `sdpa_backend` ("cudnn_attention") puts that SDPA kernel first for
+training passes. `cuda_graph_sampling` decodes with a static KV cache and
+replays one CUDA graph per token (`sampling.py`). `gradient_checkpointing`
+trades a second forward for activation memory.
 
 optim_step: torch AdamW with Tinker's `AdamParams` (decoupled weight decay,
 global-norm clipping when `grad_clip_norm` > 0), hyperparameters set afresh
@@ -29,12 +51,14 @@ The constructor takes ownership of `model` (peft modifies it in place);
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import random
 import threading
 import warnings
 import weakref
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -42,27 +66,39 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
 from tinker import types
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from tbexp.backends.base import LOSSES, Done, ForwardBackwardResult, Future, Sampler, SampledSequence, TrainingBackend
+from tbexp.backends.batch_sampling import Request, sample_batch
 from tbexp.backends.logprobs import target_logprobs
 from tbexp.backends.sampling import sample_sequences
 
 RL_INPUTS = ("target_tokens", "logprobs", "advantages")
+PACKED_ATTENTION = "tbexp_packed"  # the attention implementation that `packing` installs
 
 
 class LocalBackend(TrainingBackend):
-    def __init__(self, model, tokenizer, *, lora_rank: int, lora_alpha: float, lora_dropout: float, lora_targets: list[str], device: str = "auto", seed: int = 0, save_dir: str | Path, microbatch_tokens: int = 8192, gradient_checkpointing: bool = False):
+    def __init__(self, model, tokenizer, *, lora_rank: int, lora_alpha: float, lora_dropout: float, lora_targets: list[str], lora_target_parameters: list[str] | None = None, device: str = "auto", seed: int = 0, save_dir: str | Path, microbatch_tokens: int = 8192, gradient_checkpointing: bool = False, packing: bool = False, dtype: str | None = None, compile_backend: str | None = None, logprob_chunk_tokens: int | None = None, sdpa_backend: str | None = None, cuda_graph_sampling: bool = False):
         _check_plain_lm_head(model.config)
         self.tokenizer = tokenizer
         self.device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto" else device)
         self.save_dir = Path(save_dir)
         self.microbatch_tokens = microbatch_tokens
         self.lora_rank = lora_rank
+        self.packing = packing
+        self.compile_backend, self.logprob_chunk_tokens, self.sdpa_backend = compile_backend, logprob_chunk_tokens, sdpa_backend
+        self.cuda_graph_sampling = cuda_graph_sampling
+        self.dtype = getattr(torch, dtype) if dtype else None
+        if self.dtype is not None:  # before the move, so the device never holds the wider copy
+            base_dtype = self.dtype if lora_rank > 0 else torch.float32  # under full fine-tuning every weight trains
+            _cast_weights(model, frozen=base_dtype, trainable=base_dtype)
         model = model.to(self.device)
         if gradient_checkpointing:
             _enable_checkpointing(model)
         if lora_rank > 0:
-            config = LoraConfig(r=lora_rank, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules=list(lora_targets), bias="none", task_type="CAUSAL_LM")
+            # target_parameters reaches weights that are not nn.Linear modules (gpt-oss's 3-D expert tensors).
+            config = LoraConfig(r=lora_rank, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules=list(lora_targets), target_parameters=list(lora_target_parameters or []) or None, bias="none", task_type="CAUSAL_LM")
             with torch.random.fork_rng(devices=range(torch.cuda.device_count())):
                 torch.manual_seed(seed)  # LoRA's A init; the global RNG stream is left alone
                 with warnings.catch_warnings():  # peft 0.21 reads a property transformers 5 deprecated
@@ -73,6 +109,12 @@ class LocalBackend(TrainingBackend):
             self._lm = model
         self.model = model
         self.model.train()
+        if self.dtype is not None:
+            _cast_weights(model, frozen=self.dtype, trainable=torch.float32)
+        if packing:
+            AttentionInterface.register(PACKED_ATTENTION, _packed_attention)
+        if compile_backend:
+            _compile_layers(self._lm, compile_backend)
         if not isinstance(self._lm.get_output_embeddings(), torch.nn.Linear):
             raise ValueError("the LM head must be a plain nn.Linear (LoRA on lm_head is not supported)")
         self._params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
@@ -96,37 +138,40 @@ class LocalBackend(TrainingBackend):
         if loss_fn not in LOSSES:
             raise ValueError(f"unknown loss_fn {loss_fn!r}; the local backend has {LOSSES}")
         rows = [_row(d, loss_fn) for d in data]
-        logps: list[torch.Tensor | None] = [None] * len(rows)
-        total = 0.0
-        with self._lock:
+        batches = _microbatches(rows, self.microbatch_tokens, packed=self.packing)
+        # A copy from pageable host memory waits for the device's queue: copy everything before queueing work.
+        batch_inputs = [_to_device(_batch_inputs([rows[i] for i in batch], self.packing), self.device) for batch in batches]
+        losses, logp_parts = [], []
+        with self._lock, self._autocast(), _attention_implementation(self._lm, PACKED_ATTENTION if self.packing else None), _sdpa_first(self.sdpa_backend):
             self.model.train(backward)  # eval mode (no dropout) for a forward-only pass
-            for batch in _microbatches(rows, self.microbatch_tokens):
-                logp_N, inputs = self._target_logprobs([rows[i] for i in batch])
-                loss = _loss(loss_fn, logp_N, inputs, loss_fn_config or {})
+            for inputs in batch_inputs:
+                logp_N = self._target_logprobs(inputs)
+                loss = _loss(loss_fn, logp_N, inputs["loss"], loss_fn_config or {})
                 if backward:
                     loss.backward()
-                total += loss.item()
-                for i, logp in zip(batch, logp_N.detach().split([len(rows[i]["tokens"]) for i in batch])):
-                    logps[i] = logp.cpu()
+                losses.append(loss.detach())
+                logp_parts.append(logp_N.detach())
+        # The call's one device-to-host copy: every logprob (in micro-batch order), then each micro-batch's loss.
+        host = torch.cat([*logp_parts, *[x[None] for x in losses]]).double().cpu() if rows else torch.zeros(0, dtype=torch.float64)
+        order = [i for batch in batches for i in batch]
+        logps: list[torch.Tensor | None] = [None] * len(rows)
+        for i, logp in zip(order, host[: len(host) - len(losses)].split([len(rows[i]["tokens"]) for i in order])):
+            logps[i] = logp.to(logp_parts[0].dtype)
+        total = sum(host[len(host) - len(losses) :].tolist())
         flat = {k: torch.cat([r[k] for r in rows]) for k in rows[0] if k != "tokens"} if rows else {}
         logp_all = torch.cat(logps) if rows else torch.zeros(0)
         n_tokens = float(flat["weights"].sum()) if loss_fn == "cross_entropy" and rows else float(len(logp_all))
         return ForwardBackwardResult(loss=total, n_tokens=n_tokens, logprobs=[lp.tolist() for lp in logps], metrics=_metrics(loss_fn, logp_all, flat, loss_fn_config or {}))
 
-    def _target_logprobs(self, rows: list[dict]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """logp of each row's targets, rows concatenated, from one right-padded forward pass."""
-        length = max(len(r["tokens"]) for r in rows)
-        tokens_B_T = torch.zeros(len(rows), length, dtype=torch.long)
-        mask_B_T = torch.zeros(len(rows), length, dtype=torch.long)
-        for b, r in enumerate(rows):
-            tokens_B_T[b, : len(r["tokens"])] = r["tokens"]
-            mask_B_T[b, : len(r["tokens"])] = 1
-        tokens_B_T, mask_B_T = tokens_B_T.to(self.device), mask_B_T.to(self.device)
-        hidden_B_T_D = self._lm.get_decoder()(input_ids=tokens_B_T, attention_mask=mask_B_T, use_cache=False).last_hidden_state
+    def _target_logprobs(self, inputs: dict) -> torch.Tensor:
+        """logp of each row's targets, rows concatenated, from one forward pass over the micro-batch."""
+        hidden = self._lm.get_decoder()(**inputs["model"], use_cache=False).last_hidden_state
+        hidden_N_D = hidden.flatten(0, 1) if inputs["index"] is None else hidden.flatten(0, 1).index_select(0, inputs["index"])
         head = self._lm.get_output_embeddings()
-        inputs = {k: torch.cat([r[k] for r in rows]).to(self.device) for k in rows[0] if k != "tokens"}
-        logp_N = target_logprobs(hidden_B_T_D[mask_B_T.bool()], head.weight, inputs["target_tokens"], head.bias)
-        return logp_N, inputs
+        return target_logprobs(hidden_N_D, head.weight, inputs["loss"]["target_tokens"], head.bias, self.logprob_chunk_tokens, self.compile_backend)
+
+    def _autocast(self):
+        return torch.autocast(self.device.type, dtype=self.dtype) if self.dtype is not None else nullcontext()
 
     def optim_step(self, adam: types.AdamParams) -> Future[dict[str, float]]:
         with self._lock:
@@ -169,7 +214,8 @@ class LocalBackend(TrainingBackend):
                 p.data, weights[n] = weights[n], p.data
         self.model.eval()
         try:
-            yield
+            with self._autocast():
+                yield
         finally:
             if swapped:
                 for n, p in self._params.items():
@@ -190,21 +236,34 @@ class LocalBackend(TrainingBackend):
         return str(path)
 
     def load_state(self, path: str) -> None:
-        path = Path(path)
-        weights = load_file(path / "trainable.safetensors", device=str(self.device))
+        weights = self._read_weights(path)
+        with self._lock:
+            self._set_weights(weights)
+            self.optimizer.load_state_dict(torch.load(Path(path) / "optimizer.pt", map_location=self.device, weights_only=True))
+            state = torch.load(Path(path) / "state.pt", weights_only=True)
+            self.step = state["step"]
+            _set_rng_state(state["rng"])
+
+    def load_weights(self, path: str) -> None:
+        weights = self._read_weights(path)
+        with self._lock:
+            self._set_weights(weights)
+            self.optimizer = torch.optim.AdamW(self._params.values(), lr=types.AdamParams().learning_rate)
+            self.step = 0
+
+    def _read_weights(self, path: str) -> dict[str, torch.Tensor]:
+        weights = load_file(Path(path) / "trainable.safetensors", device=str(self.device))
         if set(weights) != set(self._params):
             missing, extra = sorted(set(self._params) - set(weights)), sorted(set(weights) - set(self._params))
             raise ValueError(f"{path}: trainable parameters differ from this backend's (missing {missing[:3]}, unexpected {extra[:3]}); same base model and LoRA settings?")
-        with self._lock:
-            self._detach_samplers()
-            with torch.no_grad():
-                for n, p in self._params.items():
-                    p.copy_(weights[n])
-            self.optimizer.zero_grad(set_to_none=True)
-            self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=self.device, weights_only=True))
-            state = torch.load(path / "state.pt", weights_only=True)
-            self.step = state["step"]
-            _set_rng_state(state["rng"])
+        return weights
+
+    def _set_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        self._detach_samplers()
+        with torch.no_grad():
+            for n, p in self._params.items():
+                p.copy_(weights[n])
+        self.optimizer.zero_grad(set_to_none=True)
 
     def export_adapter(self, path: str) -> str:
         if not isinstance(self.model, PeftModel):
@@ -223,7 +282,22 @@ class LocalSampler(Sampler):
         b = self._backend
         with b._lock, b._weights(self._weights):
             context = getattr(b._lm.config, "max_position_embeddings", None)
-            return Done(sample_sequences(b.model, b.tokenizer, prompt.to_ints(), num_samples, params, b.eos_token_ids, context))
+            return Done(sample_sequences(b.model, b.tokenizer, prompt.to_ints(), num_samples, params, b.eos_token_ids, context, static_decode=b.cuda_graph_sampling))
+
+    def compute_logprobs(self, prompt: types.ModelInput) -> Future[list[float | None]]:
+        b = self._backend
+        tokens_T = torch.tensor(prompt.to_ints(), dtype=torch.long, device=b.device)
+        with b._lock, b._weights(self._weights), torch.no_grad():
+            hidden_T_D = b._lm.get_decoder()(input_ids=tokens_T[None], use_cache=False).last_hidden_state[0]
+            head = b._lm.get_output_embeddings()
+            logp_T = target_logprobs(hidden_T_D[:-1], head.weight, tokens_T[1:], head.bias)
+        return Done([None] + logp_T.float().cpu().tolist())
+
+    def sample_batch(self, requests: list[Request]) -> list[SampledSequence]:
+        """One reply per request, all in one batched decode (see batch_sampling.py)."""
+        b = self._backend
+        with b._lock, b._weights(self._weights):
+            return sample_batch(b.model, b.tokenizer, requests, b.eos_token_ids)
 
 
 def _row(datum: types.Datum, loss_fn: str) -> dict[str, torch.Tensor]:
@@ -240,16 +314,48 @@ def _row(datum: types.Datum, loss_fn: str) -> dict[str, torch.Tensor]:
     return row
 
 
-def _microbatches(rows: list[dict], budget_tokens: int) -> list[list[int]]:
-    """Row indices grouped longest first, each group's padded size (rows × longest) within the budget."""
+def _microbatches(rows: list[dict], budget_tokens: int, packed: bool = False) -> list[list[int]]:
+    """Row indices grouped longest first, each group's size within the budget: rows × longest, or (packed) Σ lengths."""
     order = sorted(range(len(rows)), key=lambda i: -len(rows[i]["tokens"]))
     batches: list[list[int]] = []
     for i in order:
-        if batches and (len(batches[-1]) + 1) * len(rows[batches[-1][0]]["tokens"]) <= budget_tokens:
-            batches[-1].append(i)
-        else:
-            batches.append([i])
+        if batches:
+            longest = len(rows[batches[-1][0]]["tokens"])
+            size = sum(len(rows[j]["tokens"]) for j in batches[-1]) + len(rows[i]["tokens"]) if packed else (len(batches[-1]) + 1) * longest
+            if size <= budget_tokens:
+                batches[-1].append(i)
+                continue
+        batches.append([i])
     return batches
+
+
+def _batch_inputs(rows: list[dict], packed: bool) -> dict:
+    """The decoder's inputs for one micro-batch, the flat positions of its real tokens (None = all) and the loss inputs."""
+    lengths = [len(r["tokens"]) for r in rows]
+    loss = {k: torch.cat([r[k] for r in rows]) for k in rows[0] if k != "tokens"}
+    if packed:
+        # Rotary positions restart at each datum; cu_seq_lens tells `_packed_attention` where datums begin.
+        cu_seq_lens = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int32)
+        model = {
+            "input_ids": torch.cat([r["tokens"] for r in rows])[None], "position_ids": torch.cat([torch.arange(n) for n in lengths])[None],
+            "cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens, "max_length_q": max(lengths), "max_length_k": max(lengths),
+        }
+        return {"model": model, "index": None, "loss": loss}
+    length = max(lengths)
+    tokens_B_T = torch.zeros(len(rows), length, dtype=torch.long)
+    for b, r in enumerate(rows):
+        tokens_B_T[b, : lengths[b]] = r["tokens"]
+    if min(lengths) == length:  # no padding: no mask, so attention can take its causal fast path
+        return {"model": {"input_ids": tokens_B_T}, "index": None, "loss": loss}
+    mask_B_T = (torch.arange(length)[None] < torch.tensor(lengths)[:, None]).long()
+    index = torch.cat([b * length + torch.arange(n) for b, n in enumerate(lengths)])
+    return {"model": {"input_ids": tokens_B_T, "attention_mask": mask_B_T}, "index": index, "loss": loss}
+
+
+def _to_device(tree, device: torch.device):
+    if isinstance(tree, dict):
+        return {k: _to_device(v, device) for k, v in tree.items()}
+    return tree.to(device) if isinstance(tree, torch.Tensor) else tree
 
 
 def _loss(loss_fn: str, logp_N: torch.Tensor, inputs: dict[str, torch.Tensor], config: dict[str, float]) -> torch.Tensor:
@@ -267,13 +373,15 @@ def _loss(loss_fn: str, logp_N: torch.Tensor, inputs: dict[str, torch.Tensor], c
 def _metrics(loss_fn: str, logp_N: torch.Tensor, inputs: dict[str, torch.Tensor], config: dict[str, float]) -> dict[str, float]:
     if loss_fn == "cross_entropy" or len(logp_N) == 0:
         return {}
-    ratio_N = torch.exp(logp_N - inputs["logprobs"])
-    metrics = {"ratio_mean": float(ratio_N.mean()), "sampler_minus_train_logp": float((inputs["logprobs"] - logp_N).mean())}
+    # Only the tokens that carry an advantage were sampled; prompts and observations have logprob 0 and no say.
+    active = inputs["advantages"] != 0
+    if not active.any():
+        return {}
+    ratio_N = torch.exp(logp_N - inputs["logprobs"])[active]
+    metrics = {"ratio_mean": float(ratio_N.mean()), "sampler_minus_train_logp": float((inputs["logprobs"][active] - logp_N[active]).mean())}
     if loss_fn == "ppo":
         low, high = config.get("clip_low_threshold", 0.8), config.get("clip_high_threshold", 1.2)
-        active = inputs["advantages"] != 0
-        clipped = ((ratio_N < low) | (ratio_N > high)) & active
-        metrics["clip_fraction"] = float(clipped.sum() / active.sum().clamp(min=1))
+        metrics["clip_fraction"] = float(((ratio_N < low) | (ratio_N > high)).float().mean())
     return metrics
 
 
@@ -289,6 +397,82 @@ def _enable_checkpointing(model) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def _cast_weights(model, frozen: torch.dtype, trainable: torch.dtype) -> None:
+    """Floating-point weights that do not train to `frozen`, those that train to `trainable`."""
+    for p in model.parameters():
+        target = trainable if p.requires_grad else frozen
+        if p.is_floating_point() and p.dtype != target:
+            p.data = p.data.to(target)
+    for m in model.modules():  # peft casts each LoRA input to its fp32 weight's dtype; autocast makes that a wasted pass
+        if hasattr(m, "cast_input_dtype_enabled"):
+            m.cast_input_dtype_enabled = False
+
+
+def _compile_layers(lm, backend: str) -> None:
+    """torch.compile each decoder layer, used only when gradients are taken (training forward passes)."""
+    layers = getattr(lm.get_decoder(), "layers", None)
+    if layers is None:
+        raise ValueError(f"compile_backend: {type(lm).__name__}'s decoder has no `layers` to compile")
+    for layer in layers:
+        layer.forward = functools.partial(_forward_compiled_with_grad, layer.forward, torch.compile(layer.forward, backend=backend))
+
+
+def _forward_compiled_with_grad(eager, compiled, *args, **kwargs):
+    return compiled(*args, **kwargs) if torch.is_grad_enabled() else eager(*args, **kwargs)
+
+
+def _sdpa_first(name: str | None):
+    """SDPA tries kernel `name` (an `SDPBackend` name, any case) first, then its usual order; None: its usual order."""
+    if name is None:
+        return nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    first = getattr(SDPBackend, name.upper())  # a pybind enum: no [] lookup
+    usual = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    return sdpa_kernel([first] + [b for b in usual if b != first], set_priority=True)
+
+
+@contextmanager
+def _attention_implementation(lm, name: str | None):
+    """Run the model with attention implementation `name` (None: leave it as it is)."""
+    previous = lm.config._attn_implementation
+    if name is not None:
+        lm.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        if name is not None:
+            lm.set_attn_implementation(previous)
+
+
+def _packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, cu_seq_lens_q=None, max_length_q=None, **kwargs):
+    """A transformers attention function: causal attention within each datum of one packed row [1, H, T, d]."""
+    if cu_seq_lens_q is None:  # nothing packed (sampling, one prompt): plain SDPA
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    groups = query.shape[1] // key.shape[1]  # GQA: each K/V head serves `groups` query heads
+    q_H_T_d, k_H_T_d, v_H_T_d = query[0], key[0].repeat_interleave(groups, 0), value[0].repeat_interleave(groups, 0)
+    if query.is_cuda and _varlen_attn() is not None:
+        varlen, causal = _varlen_attn()
+        q_T_H_d, k_T_H_d, v_T_H_d = (t.transpose(0, 1).contiguous() for t in (q_H_T_d, k_H_T_d, v_H_T_d))
+        out_T_H_d = varlen(q_T_H_d, k_T_H_d, v_T_H_d, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, scale=scaling, **causal)
+    else:
+        bounds = cu_seq_lens_q.tolist()
+        parts = [torch.nn.functional.scaled_dot_product_attention(q_H_T_d[:, s:e], k_H_T_d[:, s:e], v_H_T_d[:, s:e], is_causal=True, scale=scaling) for s, e in zip(bounds, bounds[1:])]
+        out_T_H_d = torch.cat(parts, dim=1).transpose(0, 1)
+    return out_T_H_d[None], None
+
+
+@functools.cache
+def _varlen_attn():
+    """torch's Flash varlen attention and its causal argument (torch 2.10 took is_causal, later ones a window), or None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    return varlen_attn, {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
 
 
 def _as_list(x) -> list:

@@ -6,6 +6,14 @@ stop condition or `max_tokens` is dropped from the batch and from the cache,
 so finished sequences cost nothing afterwards. Because every live sequence
 has the same length (prompt + step), no padding or attention mask is needed.
 
+With `static_decode` the batch stays whole instead: the prompt's cache is
+copied into a transformers `StaticCache` sized prompt + max_tokens, finished
+rows keep decoding (their tokens are dropped), and on CUDA each step after
+the first replays one captured CUDA graph of the model's forward, so the
+per-step cost is the GPU's, not Python's dispatch of ~100 kernels per layer.
+The first step runs eagerly (it warms up and is a real step); autocast's
+weight-cast cache is off inside, since a graph must redo those casts.
+
 Token choice follows Tinker's `SamplingParams`: temperature (0 = greedy
 argmax), then top-k (-1 = off), then top-p over the tempered distribution,
 then a multinomial draw from a `torch.Generator` seeded with `seed` (or, when
@@ -25,12 +33,14 @@ string is kept, since tokens are not split).
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 from tinker import types
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
 
 from tbexp.backends.base import SampledSequence
 
@@ -59,7 +69,7 @@ def resolve_stops(stop: str | Sequence[str] | Sequence[int] | None, eos_token_id
 
 
 @torch.no_grad()
-def sample_sequences(model, tokenizer, prompt_tokens: list[int], num_samples: int, params: types.SamplingParams, eos_token_ids: Sequence[int], max_context_tokens: int | None = None) -> list[SampledSequence]:
+def sample_sequences(model, tokenizer, prompt_tokens: list[int], num_samples: int, params: types.SamplingParams, eos_token_ids: Sequence[int], max_context_tokens: int | None = None, static_decode: bool = False) -> list[SampledSequence]:
     """Sample `num_samples` sequences; the caller puts the model in eval mode and holds its weights fixed."""
     if not prompt_tokens:
         raise ValueError("an empty prompt has no position to sample from")
@@ -78,6 +88,8 @@ def sample_sequences(model, tokenizer, prompt_tokens: list[int], num_samples: in
     cache = DynamicCache(config=lm.config)
     cache_kw = {_cache_kwarg(lm): cache}
     out = model(input_ids=torch.tensor([prompt_tokens], device=device), use_cache=True, logits_to_keep=1, **cache_kw)
+    if static_decode:
+        return _static_decode(model, lm, cache, out.logits[:, -1], len(prompt_tokens), num_samples, max(max_tokens, 0), params, stops, tokenizer, generator)
     cache.batch_repeat_interleave(num_samples)
     logits_B_V = out.logits[:, -1].expand(num_samples, -1)
 
@@ -108,6 +120,71 @@ def sample_sequences(model, tokenizer, prompt_tokens: list[int], num_samples: in
         out = model(input_ids=picked_B[:, None], use_cache=True, **cache_kw)
         logits_B_V = out.logits[:, -1]
     return [SampledSequence(tokens=t, logprobs=lp, stop_reason=r) for t, lp, r in zip(tokens, logprobs, reasons)]
+
+
+def _static_decode(model, lm, prompt_cache: DynamicCache, logits_1_V: torch.Tensor, prompt_len: int, num_samples: int, max_tokens: int, params: types.SamplingParams, stops: Stops, tokenizer, generator) -> list[SampledSequence]:
+    """The decode loop over a whole batch and a static cache, graph-replayed on CUDA (see the module docstring)."""
+    device = logits_1_V.device
+    cache = StaticCache(config=lm.config, max_cache_len=prompt_len + max_tokens)
+    for static, prompt in zip(cache.layers, prompt_cache.layers):
+        static.update(prompt.keys.expand(num_samples, -1, -1, -1).contiguous(), prompt.values.expand(num_samples, -1, -1, -1).contiguous())
+    del prompt_cache
+    tokens_B_1 = torch.zeros(num_samples, 1, dtype=torch.long, device=device)  # the graph's inputs, refilled each step
+    positions_B_1 = torch.zeros_like(tokens_B_1)
+    cache_kw = {_cache_kwarg(lm): cache}
+
+    def step() -> torch.Tensor:
+        return model(input_ids=tokens_B_1, position_ids=positions_B_1, use_cache=True, **cache_kw).logits[:, -1]
+
+    on_gpu = device.type == "cuda"
+    autocast = torch.autocast(device.type, dtype=torch.get_autocast_dtype(device.type), cache_enabled=False) if torch.is_autocast_enabled(device.type) else nullcontext()
+    graph, logits_B_V = None, logits_1_V.expand(num_samples, -1)
+    tokens, logprobs = [[] for _ in range(num_samples)], [[] for _ in range(num_samples)]
+    reasons, done = ["length"] * num_samples, [False] * num_samples
+    for t in range(max_tokens):
+        logits_B_V = logits_B_V.float()
+        picked_B = _pick(logits_B_V, params, generator)
+        logp_B = torch.log_softmax(logits_B_V, dim=-1).gather(1, picked_B[:, None]).squeeze(1)
+        picked, logp = torch.stack([picked_B.double(), logp_B.double()]).tolist()  # one sync a step
+        for b in range(num_samples):
+            if done[b]:
+                continue
+            tokens[b].append(int(picked[b]))
+            logprobs[b].append(logp[b])
+            if _stopped(tokens[b], stops, tokenizer):
+                reasons[b], done[b] = "stop", True
+            done[b] = done[b] or len(tokens[b]) >= max_tokens
+        if all(done):
+            break
+        tokens_B_1.copy_(picked_B[:, None])
+        positions_B_1.fill_(prompt_len + t)
+        with autocast:
+            if graph is not None:
+                graph.replay()
+                logits_B_V = graph_logits_B_V
+            elif on_gpu:  # this step eagerly on a side stream (the warm-up a capture needs), then capture the next
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    logits_B_V = step().clone()
+                torch.cuda.current_stream().wait_stream(side)
+                graph, graph_logits_B_V = _capture(step)
+                on_gpu = graph is not None  # a forward that cannot be captured decodes eagerly
+            else:
+                logits_B_V = step()
+    return [SampledSequence(tokens=t, logprobs=lp, stop_reason=r) for t, lp, r in zip(tokens, logprobs, reasons)]
+
+
+def _capture(step):
+    """(graph, its output) of one capture of `step`, or Nones if the forward cannot be captured (a host sync, say)."""
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            out = step()
+    except RuntimeError as e:
+        warnings.warn(f"static decode runs eagerly: the forward pass could not be captured in a CUDA graph ({e})", stacklevel=3)
+        return None, None
+    return graph, out
 
 
 def _cache_kwarg(lm) -> str:

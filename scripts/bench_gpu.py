@@ -1,0 +1,476 @@
+"""GPU benchmark of the local backend (issue 6): LoRA SFT against TRL, sampling against `generate`, loss memory.
+
+    python scripts/bench_gpu.py                  # on one H200: Qwen3-1.7B shape, random weights, 4 × 4096 tokens
+    python scripts/bench_gpu.py --tiny           # a tiny shape on CPU, to check the script itself
+    python scripts/bench_gpu.py --only sft-trl   # one measurement (any of MEASUREMENTS)
+
+Every measurement runs in a subprocess of its own, so each peak-memory figure
+is that run's alone (`torch.cuda.max_memory_allocated`, everything the run
+allocated: weights, optimizer state, activations) and a crash or an
+out-of-memory costs one row. Each child prints one JSON line; the parent
+prints them and a table last. Nothing is downloaded: models are built from
+their configs with random weights (fine for speed and memory); TRL gets a
+word-level tokenizer with the model's vocabulary size.
+
+SFT: LoRA r32 (alpha 64, no dropout) on every linear layer of the decoder,
+bf16, SDPA, batch 4 × 4096 tokens, loss on every token, AdamW. tbexp runs
+`LocalBackend(dtype="bfloat16")` with the knobs each variant names; TRL runs
+`SFTTrainer` (bf16=True, its fused AdamW, no packing, logging once) on the
+same bf16 model. Timed steps follow warm-up steps (torch.compile's compile
+happens there). MFU counts the FLOPs LoRA training needs: 2·N forward and
+2·N for input gradients through the frozen linear weights (N includes the LM
+head), 6·N_lora, and causal attention forward + backward (3 × 2·S·d·L per
+token); recomputation (checkpointing, the chunked head) is not counted. It is
+reported against the H200's datasheet dense bf16 peak, 989 TFLOP/s, and
+against an 8192³ bf16 matmul measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PEAK_TFLOPS = 989.0  # H200 SXM dense bf16, datasheet
+# name -> (kind, options). tbexp SFT variants name LocalBackend knobs.
+FAST = {"compile_backend": "inductor", "logprob_chunk_tokens": 4096, "sdpa_backend": "cudnn_attention"}
+MEASUREMENTS = {
+    "env": ("env", {}),
+    "attention": ("attention", {}),
+    "sft-trl": ("sft_trl", {}),
+    "sft-tbexp-eager": ("sft_tbexp", {}),
+    "sft-tbexp-compiled": ("sft_tbexp", {"compile_backend": "inductor"}),
+    "sft-tbexp-compiled-chunk4096": ("sft_tbexp", {"compile_backend": "inductor", "logprob_chunk_tokens": 4096}),
+    "sft-tbexp-fast": ("sft_tbexp", FAST),
+    "sample-tbexp": ("sample_tbexp", {}),
+    "sample-tbexp-graph": ("sample_tbexp", {"cuda_graph_sampling": True}),
+    "sample-generate": ("sample_generate", {}),
+    "loss-naive": ("loss", {"variant": "naive"}),
+    "loss-chunked": ("loss", {"variant": "chunked"}),
+    "loss-chunked-fused": ("loss", {"variant": "chunked", "chunk_size": 4096, "compile_backend": "inductor"}),
+    "varlen-padded": ("varlen", {}),
+    "varlen-packed": ("varlen", {"packing": True}),
+    "varlen-packed-fast": ("varlen", {"packing": True, **FAST}),
+    "sft-trl-ckpt": ("sft_trl", {"gradient_checkpointing": True}),
+    "sft-tbexp-fast-ckpt": ("sft_tbexp", {**FAST, "gradient_checkpointing": True}),
+}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tiny", action="store_true", help="tiny shapes on CPU: checks the script, measures nothing")
+    p.add_argument("--only", default="", help="comma-separated measurement names; default: all")
+    p.add_argument("--skip", default="", help="comma-separated measurement names to leave out")
+    p.add_argument("--steps", type=int, default=0, help="timed SFT steps (default 8; 2 with --tiny)")
+    p.add_argument("--out", default="", help="also append every JSON line to this file")
+    p.add_argument("--child", default="", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    shape = tiny_shape() if args.tiny else full_shape()
+    if args.steps:
+        shape["steps"] = args.steps
+    if args.child:
+        kind, options = MEASUREMENTS[args.child]
+        if args.tiny:  # CPU stand-ins: inductor compiles slowly on CPU, and CPUs have no cuDNN
+            options = {k: {"inductor": "aot_eager", "cudnn_attention": "math"}.get(v, v) if isinstance(v, str) else v for k, v in options.items()}
+        result = {"name": args.child, **globals()[f"_{kind}"](shape, **options)}
+        print("RESULT " + json.dumps(result), flush=True)
+        return
+    names = [n for n in (args.only.split(",") if args.only else MEASUREMENTS) if n and n not in args.skip.split(",")]
+    results = []
+    for name in names:
+        cmd = [sys.executable, __file__, "--child", name] + (["--tiny"] if args.tiny else []) + (["--steps", str(args.steps)] if args.steps else [])
+        start = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        lines = [line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        result = json.loads(lines[-1]) if lines else {"name": name, "error": (proc.stderr or proc.stdout).strip().splitlines()[-6:]}
+        result["wall_s"] = round(time.perf_counter() - start, 1)
+        if proc.returncode and "error" not in result:
+            result["error"] = f"exit {proc.returncode}"
+        results.append(result)
+        print(json.dumps(result), flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(result) + "\n")
+    _table(results)
+
+
+def full_shape() -> dict:
+    return {
+        "device": "cuda", "batch": 4, "seq": 4096, "steps": 8, "warmup": 3,
+        "model": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
+        "samples": 16, "new_tokens": 512, "prompt": 256,
+        "loss_positions": 32768, "loss_vocab": 201088, "loss_hidden": 2880,  # gpt-oss-20b's vocabulary and width
+        "varlen_lengths": [4096, 3500, 3000, 2600, 2200, 1800, 1500, 1200, 1000, 800, 600, 500, 400, 300, 200, 100],
+    }
+
+
+def tiny_shape() -> dict:
+    return {
+        "device": "cpu", "batch": 4, "seq": 64, "steps": 2, "warmup": 1,
+        "model": dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=True),
+        "samples": 4, "new_tokens": 16, "prompt": 8,
+        "loss_positions": 512, "loss_vocab": 5000, "loss_hidden": 64,
+        "varlen_lengths": [64, 50, 30, 10],
+    }
+
+
+# ---- building blocks ----
+
+
+def _model(shape: dict):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(**shape["model"], attn_implementation="sdpa")
+    torch.manual_seed(0)
+    with torch.device(shape["device"]):
+        model = Qwen3ForCausalLM(config)
+    return model.to(torch.bfloat16)
+
+
+def _tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", pad_token="t0", eos_token="t1")
+
+
+def _backend(shape: dict, model, **knobs):
+    from tbexp.backends.local import LocalBackend
+
+    knobs = {"dtype": "bfloat16", "microbatch_tokens": shape["batch"] * shape["seq"], **knobs}
+    return LocalBackend(model, _tokenizer(model.config.vocab_size), lora_rank=32, lora_alpha=64.0, lora_dropout=0.0, lora_targets=TARGETS, device=shape["device"], save_dir=tempfile.mkdtemp(), **knobs)
+
+
+def _sft_data(shape: dict, n: int, lengths: list[int] | None = None):
+    from tinker import types
+
+    g = torch.Generator().manual_seed(0)
+    lengths = lengths or [shape["seq"]] * n
+    data = []
+    for length in lengths:
+        toks = torch.randint(0, shape["model"]["vocab_size"], (length + 1,), generator=g).tolist()
+        data.append(types.Datum(model_input=types.ModelInput.from_ints(toks[:-1]), loss_fn_inputs={"target_tokens": toks[1:], "weights": [1.0] * length}))
+    return data
+
+
+def _sync(shape: dict) -> None:
+    if shape["device"] == "cuda":
+        torch.cuda.synchronize()
+
+
+def _peak_gib(shape: dict) -> float:
+    return round(torch.cuda.max_memory_allocated() / 2**30, 2) if shape["device"] == "cuda" else 0.0
+
+
+def _flops_per_token(model, seq: int) -> float:
+    """Model FLOPs of one LoRA training token (see the module docstring)."""
+    frozen = sum(m.weight.numel() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "lora_" not in n)
+    lora = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+    c = model.config
+    attention = 3 * 2 * seq * c.num_attention_heads * c.head_dim * c.num_hidden_layers  # causal: half of 4·S·d
+    return 4 * frozen + 6 * lora + attention
+
+
+def _sft_figures(shape: dict, model, elapsed_s: float, steps: int, tokens_per_step: int, seq: int) -> dict:
+    tokens_per_s = steps * tokens_per_step / elapsed_s
+    flops = _flops_per_token(model, seq)
+    return {"tokens_per_s": round(tokens_per_s), "s_per_step": round(elapsed_s / steps, 4), "peak_gib": _peak_gib(shape), "model_tflop_per_token": round(flops / 1e12, 6), "model_tflops": round(tokens_per_s * flops / 1e12, 1), "mfu_vs_989": round(tokens_per_s * flops / 1e12 / PEAK_TFLOPS, 3)}
+
+
+# ---- measurements ----
+
+
+def _env(shape: dict) -> dict:
+    import peft
+    import transformers
+
+    info = {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__, "python": sys.version.split()[0]}
+    try:
+        import trl
+
+        info["trl"] = trl.__version__
+    except ImportError as e:
+        info["trl"] = f"missing: {e}"
+    info["varlen_attn"] = _has("torch.nn.attention.varlen")
+    info["flex_attention"] = _has("torch.nn.attention.flex_attention")
+    if shape["device"] == "cuda":
+        info["gpu"] = torch.cuda.get_device_name()
+        info["cudnn"] = torch.backends.cudnn.version()
+        a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        for _ in range(3):
+            a @ b
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(20):
+            a @ b
+        torch.cuda.synchronize()
+        info["matmul_bf16_tflops"] = round(20 * 2 * 8192**3 / (time.perf_counter() - start) / 1e12, 1)
+    return info
+
+
+def _has(module: str) -> bool:
+    import importlib
+
+    try:
+        importlib.import_module(module)
+        return True
+    except ImportError:
+        return False
+
+
+def _attention(shape: dict) -> dict:
+    """SDPA forward + backward at one layer's shape, per backend (GQA expanded where a backend lacks it)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    c = shape["model"]
+    dev, dt = shape["device"], torch.bfloat16
+    q = torch.randn(shape["batch"], c["num_attention_heads"], shape["seq"], c["head_dim"], device=dev, dtype=dt, requires_grad=True)
+    k = torch.randn(shape["batch"], c["num_key_value_heads"], shape["seq"], c["head_dim"], device=dev, dtype=dt, requires_grad=True)
+    v = torch.randn_like(k, requires_grad=True)
+    rep = c["num_attention_heads"] // c["num_key_value_heads"]
+    out = {}
+    for name, backend in [("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION)]:
+        for gqa in (True, False):
+            def run():
+                kk, vv = (k, v) if gqa else (k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1))
+                with sdpa_kernel(backend):
+                    o = torch.nn.functional.scaled_dot_product_attention(q, kk, vv, is_causal=True, enable_gqa=gqa)
+                o.sum().backward()
+
+            try:
+                for _ in range(2):
+                    run()
+                _sync(shape)
+                start = time.perf_counter()
+                for _ in range(5):
+                    run()
+                _sync(shape)
+                out[f"{name}{'_gqa' if gqa else ''}_ms"] = round((time.perf_counter() - start) / 5 * 1e3, 3)
+            except RuntimeError as e:
+                out[f"{name}{'_gqa' if gqa else ''}_ms"] = f"n/a: {str(e).splitlines()[0][:80]}"
+    return out
+
+
+def _sft_tbexp(shape: dict, **knobs) -> dict:
+    from tinker import types
+
+    model = _model(shape)
+    b = _backend(shape, model, **knobs)
+    data = _sft_data(shape, shape["batch"])
+    adam = types.AdamParams(learning_rate=2e-5)
+    if shape["device"] == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    losses = []
+    for _ in range(shape["warmup"]):
+        losses.append(b.forward_backward(data, "cross_entropy").result().loss)
+        b.optim_step(adam).result()
+    warmup_s = time.perf_counter() - start
+    _sync(shape)
+    start = time.perf_counter()
+    for _ in range(shape["steps"]):
+        losses.append(b.forward_backward(data, "cross_entropy").result().loss)
+        b.optim_step(adam).result()
+    _sync(shape)
+    elapsed = time.perf_counter() - start
+    tokens = shape["batch"] * shape["seq"]
+    return {**_sft_figures(shape, b.model, elapsed, shape["steps"], tokens, shape["seq"]), "warmup_s": round(warmup_s, 1), "knobs": knobs, "trainable_params": sum(p.numel() for p in b._params.values()), "mean_loss_per_token_first_last": [round(losses[0] / tokens, 4), round(losses[-1] / tokens, 4)]}
+
+
+def _sft_trl(shape: dict, gradient_checkpointing: bool = False) -> dict:
+    import pyarrow as pa
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import TrainerCallback
+    from trl import SFTConfig, SFTTrainer
+
+    model = _model(shape)
+    tokenizer = _tokenizer(model.config.vocab_size)
+    warmup, steps = shape["warmup"], shape["steps"]
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randint(2, shape["model"]["vocab_size"], (shape["seq"],), generator=g).tolist() for _ in range(shape["batch"] * (warmup + steps))]
+    # A given fingerprint and no preparation: datasets' hashing pickles pyarrow types, which some pyarrow builds refuse.
+    dataset = Dataset(pa.table({"input_ids": rows}), fingerprint="bench-gpu")
+    marks: dict[int, float] = {}
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step in (warmup, warmup + steps):
+                _sync(shape)
+                marks[state.global_step] = time.perf_counter()
+            if state.global_step == warmup and shape["device"] == "cuda":
+                marks["peak_warmup"] = _peak_gib(shape)
+
+    cpu = shape["device"] == "cpu"
+    config = SFTConfig(
+        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=shape["batch"], gradient_accumulation_steps=1, max_steps=warmup + steps,
+        learning_rate=2e-5, bf16=True, use_cpu=cpu, max_length=shape["seq"], packing=False, gradient_checkpointing=gradient_checkpointing,
+        logging_steps=warmup + steps, save_strategy="no", report_to="none", dataloader_num_workers=0, seed=0,
+        dataset_kwargs={"skip_prepare_dataset": True},
+    )
+    peft_config = LoraConfig(r=32, lora_alpha=64, lora_dropout=0.0, target_modules="all-linear", bias="none", task_type="CAUSAL_LM")
+    trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config, callbacks=[Clock()])
+    if shape["device"] == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    trainer.train()
+    elapsed = marks[warmup + steps] - marks[warmup]
+    figures = _sft_figures(shape, trainer.model, elapsed, steps, shape["batch"] * shape["seq"], shape["seq"])
+    trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    return {**figures, "trainable_params": trainable, "gradient_checkpointing": gradient_checkpointing, "lora_dtype": str(next(p.dtype for p in trainer.model.parameters() if p.requires_grad))}
+
+
+def _sample_params(shape: dict, stop):
+    from tinker import types
+
+    return types.SamplingParams(max_tokens=shape["new_tokens"], temperature=0.7, top_p=1.0, seed=0, stop=stop)
+
+
+def _prompt(shape: dict) -> list[int]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(2, shape["model"]["vocab_size"], (shape["prompt"],), generator=g).tolist()
+
+
+def _sample_tbexp(shape: dict, **knobs) -> dict:
+    from tinker import types
+
+    b = _backend(shape, _model(shape), **knobs)
+    sampler = b.sampler()
+    prompt = types.ModelInput.from_ints(_prompt(shape))
+    # A stop string, as an agent's episodes use: decoded and checked every step (random weights never produce it).
+    params = _sample_params(shape, ["</cmd>"])
+    sampler.sample(prompt, shape["samples"], params.model_copy(update={"max_tokens": 16})).result()  # warm-up
+    if shape["device"] == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    _sync(shape)
+    start = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:  # the graph path warns when it falls back to eager
+        warnings.simplefilter("always")
+        seqs = sampler.sample(prompt, shape["samples"], params).result()
+    elapsed = time.perf_counter() - start
+    knobs = {**knobs, "warnings": [str(w.message)[:200] for w in caught if "static decode" in str(w.message)]}
+    n = sum(len(s.tokens) for s in seqs)
+    # The sampler's logprobs against one teacher-forced pass over what it sampled: a stale cache or position would show.
+    forced = sampler.compute_logprobs(types.ModelInput.from_ints(prompt.to_ints() + seqs[-1].tokens)).result()[prompt.length :]
+    diff = torch.tensor(forced) - torch.tensor(seqs[-1].logprobs)
+    check = {"logprob_vs_teacher_forced_max_abs": round(float(diff.abs().max()), 4), "mean_abs": round(float(diff.abs().mean()), 4)}
+    return {"tokens_per_s": round(n / elapsed, 1), "new_tokens": n, "s": round(elapsed, 2), "ms_per_step": round(elapsed / shape["new_tokens"] * 1e3, 2), "peak_gib": _peak_gib(shape), "knobs": knobs, **check}
+
+
+def _sample_generate(shape: dict) -> dict:
+    """Plain `generate` on the same bf16 model with peft's LoRA (its own fp32 adapter weights), no autocast."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(_model(shape), LoraConfig(r=32, lora_alpha=64, lora_dropout=0.0, target_modules=TARGETS, task_type="CAUSAL_LM")).eval()
+    ids = torch.tensor([_prompt(shape)], device=shape["device"])
+    kw = dict(do_sample=True, temperature=0.7, top_p=1.0, top_k=0, num_return_sequences=shape["samples"], pad_token_id=0)
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=16, **kw)  # warm-up
+        if shape["device"] == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        _sync(shape)
+        start = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=shape["new_tokens"], min_new_tokens=shape["new_tokens"], **kw)
+        _sync(shape)
+    elapsed = time.perf_counter() - start
+    n = (out.shape[1] - ids.shape[1]) * out.shape[0]
+    return {"tokens_per_s": round(n / elapsed, 1), "new_tokens": n, "s": round(elapsed, 2), "ms_per_step": round(elapsed / shape["new_tokens"] * 1e3, 2), "peak_gib": _peak_gib(shape)}
+
+
+def _loss(shape: dict, variant: str, chunk_size: int | None = None, compile_backend: str | None = None) -> dict:
+    """Target logprobs + backward to the hidden states at a frozen bf16 head (LoRA), naive full logits or chunked."""
+    from tbexp.backends.logprobs import naive_target_logprobs, target_logprobs
+
+    n, v, d = shape["loss_positions"], shape["loss_vocab"], shape["loss_hidden"]
+    dev = shape["device"]
+    g = torch.Generator(device=dev).manual_seed(0)
+    hidden = (torch.randn(n, d, device=dev, generator=g) / d**0.5).to(torch.bfloat16).requires_grad_()
+    weight = torch.randn(v, d, device=dev, generator=g).to(torch.bfloat16)
+    targets = torch.randint(0, v, (n,), device=dev, generator=g)
+    fn = naive_target_logprobs if variant == "naive" else functools.partial(target_logprobs, chunk_size=chunk_size, compile_backend=compile_backend)
+    if compile_backend:  # compile outside the measurement
+        target_logprobs(hidden[:4096], weight, targets[:4096], chunk_size=chunk_size, compile_backend=compile_backend).sum().backward()
+        target_logprobs(hidden[:4095], weight, targets[:4095], chunk_size=chunk_size, compile_backend=compile_backend).sum().backward()
+        hidden.grad = None
+    _sync(shape)
+    base = torch.cuda.memory_allocated() if dev == "cuda" else 0
+    if dev == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    try:
+        logp = fn(hidden, weight, targets)
+        logp.sum().backward()
+        _sync(shape)
+    except torch.OutOfMemoryError as e:
+        return {"variant": variant, "oom": str(e).splitlines()[0][:160]}
+    elapsed = time.perf_counter() - start
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if dev == "cuda" else 0.0
+    return {"variant": variant, "chunk_size": chunk_size, "compile_backend": compile_backend, "peak_above_inputs_gib": round(peak, 2), "s": round(elapsed, 3), "full_fp32_logits_gib": round(n * v * 4 / 2**30, 1), "mean_logp": float(logp.detach().double().mean())}
+
+
+def _varlen(shape: dict, packing: bool = False, **knobs) -> dict:
+    """RL-like episodes of mixed lengths, one forward_backward a step: bucketed padding against packing."""
+    from tinker import types
+
+    b = _backend(shape, _model(shape), packing=packing, microbatch_tokens=16384 if shape["device"] == "cuda" else 128, **knobs)
+    lengths = shape["varlen_lengths"]
+    data = _sft_data(shape, len(lengths), lengths)
+    adam = types.AdamParams(learning_rate=2e-5)
+    # Before any update (LoRA B = 0): the same function under both layouts, so these must agree to bf16 rounding.
+    check = [round(sum(lp) / len(lp), 4) for lp in b.forward(data[:: max(1, len(data) // 4)], "cross_entropy").result().logprobs]
+    for _ in range(2):
+        b.forward_backward(data, "cross_entropy").result()
+        b.optim_step(adam).result()
+    if shape["device"] == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    _sync(shape)
+    steps = max(2, shape["steps"] // 2)
+    start = time.perf_counter()
+    for _ in range(steps):
+        b.forward_backward(data, "cross_entropy").result()
+        b.optim_step(adam).result()
+    _sync(shape)
+    elapsed = time.perf_counter() - start
+    return {"real_tokens_per_s": round(steps * sum(lengths) / elapsed), "s_per_step": round(elapsed / steps, 4), "peak_gib": _peak_gib(shape), "packing": packing, "padding_fraction": round(1 - sum(lengths) / _padded_tokens(lengths, b.microbatch_tokens), 3), "mean_logp_check": check}
+
+
+def _padded_tokens(lengths: list[int], budget: int) -> int:
+    from tbexp.backends.local import _microbatches
+
+    batches = _microbatches([{"tokens": range(n)} for n in lengths], budget)
+    return sum(len(batch) * lengths[batch[0]] for batch in batches)
+
+
+def _table(results: list[dict]) -> None:
+    print("\n| measurement | figure | peak GiB | notes |\n|---|---|---|---|")
+    for r in results:
+        if "error" in r or "oom" in r:
+            print(f"| {r['name']} | failed | | {r.get('error') or r.get('oom')} |")
+        elif "tokens_per_s" in r:
+            extra = f"MFU {r['mfu_vs_989']:.1%} of 989 TFLOP/s, {r['s_per_step']} s/step" if "mfu_vs_989" in r else f"{r['ms_per_step']} ms/step"
+            print(f"| {r['name']} | {r['tokens_per_s']:,} tokens/s | {r['peak_gib']} | {extra} |")
+        elif "real_tokens_per_s" in r:
+            print(f"| {r['name']} | {r['real_tokens_per_s']:,} real tokens/s | {r['peak_gib']} | {r['s_per_step']} s/step |")
+        elif "peak_above_inputs_gib" in r:
+            print(f"| {r['name']} | {r['s']} s | {r['peak_above_inputs_gib']} | full fp32 logits alone {r['full_fp32_logits_gib']} GiB |")
+        else:
+            print(f"| {r['name']} | | | {json.dumps({k: v for k, v in r.items() if k not in ('name',)})} |")
+
+
+if __name__ == "__main__":
+    main()
