@@ -31,7 +31,12 @@ def make_backend(cfg: Any, save_dir: Path) -> TrainingBackend:
         torch.set_num_threads(cfg.backend.threads)
     device = cfg.backend.device if cfg.backend.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     model, tokenizer = load_model(m, device=device)
-    return LocalBackend(model, tokenizer, lora_rank=m.lora_rank, lora_alpha=m.lora_alpha, lora_dropout=m.lora_dropout, lora_targets=list(m.lora_targets), device=device, seed=cfg.seed, save_dir=save_dir)
+    b = cfg.backend
+    return LocalBackend(
+        model, tokenizer, lora_rank=m.lora_rank, lora_alpha=m.lora_alpha, lora_dropout=m.lora_dropout, lora_targets=list(m.lora_targets), lora_target_parameters=list(m.lora_target_parameters),
+        device=device, seed=cfg.seed, save_dir=save_dir, microbatch_tokens=b.microbatch_tokens, gradient_checkpointing=b.gradient_checkpointing, packing=b.packing,
+        dtype=b.dtype or None, compile_backend=b.compile or None, cuda_graph_sampling=b.cuda_graph_sampling,
+    )
 
 
 def sampling_params(settings: Any, stop: Any, seed: int | None = None):

@@ -28,6 +28,7 @@ class ModelConfig:
     lora_alpha: float = 16.0
     lora_dropout: float = 0.0
     lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    lora_target_parameters: list[str] = field(default_factory=list)  # raw parameters (MoE experts' 3-D weights) for peft's target_parameters
     max_length_tokens: int = 2048
 
 
@@ -59,6 +60,13 @@ class BackendConfig:
     device: str = "auto"  # local: cpu | cuda | auto
     base_url: str = ""  # tinker: a Tinker-compatible server; "" = the SDK's default
     threads: int = 1  # local on CPU: torch threads; the sandboxes need the other cores. 0 = torch's default
+    # local on GPU (see the README's GPU benchmark): all off by default, so CPU runs are unchanged
+    dtype: str = ""  # "bfloat16": frozen weights in bf16, passes under autocast, trainable weights fp32
+    compile: str = ""  # "inductor": torch.compile each decoder layer for training passes
+    packing: bool = False  # datums joined into one row instead of padded micro-batches
+    gradient_checkpointing: bool = False
+    microbatch_tokens: int = 8192  # padded (or packed) tokens per forward pass
+    cuda_graph_sampling: bool = False  # replay one CUDA graph per sampled token
 
 
 @dataclass
@@ -72,6 +80,7 @@ class TasksConfig:
     split: str = "heldout"  # builtin: train | heldout
     families: list[str] = field(default_factory=list)  # [] = all
     limit: int = 0  # first N tasks after sorting; 0 = all
+    rl_share: float = 0.0  # share of each family's train tasks kept for RL only: SFT never sees their solutions
 
 
 @dataclass
@@ -288,6 +297,8 @@ def check(cfg: Any) -> None:
             raise ConfigError(f"{key}={value}: must be at least 1")
     if cfg.tasks.source not in ("builtin", "dir"):
         raise ConfigError(f"tasks.source={cfg.tasks.source!r}: choose builtin or dir")
+    if not 0.0 <= cfg.tasks.rl_share < 1.0:
+        raise ConfigError(f"tasks.rl_share={cfg.tasks.rl_share}: must lie in [0, 1)")
     if cfg.tasks.source == "dir" and not cfg.tasks.path:
         raise ConfigError("tasks.source=dir needs tasks.path=<directory of Harbor task directories>")
     for key, split in (("tasks.split", cfg.tasks.split), ("collect.split", cfg.collect.split), ("task_filter.split", cfg.task_filter.split)):

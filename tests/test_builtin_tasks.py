@@ -237,3 +237,15 @@ def test_oracle_passes_and_doing_nothing_fails(suite, tmp_path, instance):
     assert (reward, failed) == ("1", 0) and tests >= 3, f"oracle: reward {reward}, {failed}/{tests} tests failed"
     reward, tests, failed = _sandbox_run(task_dir, tmp_path / "nop", [])
     assert reward == "0" and 1 <= failed <= tests, f"do-nothing: reward {reward}, {failed}/{tests} tests failed"
+
+
+def test_rl_share_keeps_part_of_each_family_away_from_sft():
+    from tbexp.tasks import load_task_set
+    from tests.conftest import compose_config
+
+    settings = compose_config("tasks.rl_share=0.25").tasks
+    sft, rl = load_task_set(settings, "train", "sft"), load_task_set(settings, "train", "rl")
+    assert not {t.name for t in sft} & {t.name for t in rl}
+    assert len(rl) == round(0.25 * settings.train_per_family) * len({t.family for t in rl})  # the same share of every family
+    assert load_task_set(settings, "heldout", "rl") == load_task_set(settings, "heldout")  # only the train split is divided
+    assert len(load_task_set(compose_config("tasks.rl_share=0").tasks, "train", "rl")) == len(sft) + len(rl)

@@ -34,7 +34,7 @@ def run(cfg: Any) -> dict[str, float]:
 
 def collect(cfg: Any, path: Path) -> dict[str, float]:
     """Run `cfg.policy` on the `cfg.collect.split` tasks; write the verified successes to `path`."""
-    tasks = load_task_set(cfg.tasks, split=cfg.collect.split)
+    tasks = load_task_set(cfg.tasks, split=cfg.collect.split, part="sft")
     runtime = model_runtime(cfg, path.parent / "checkpoints") if cfg.policy == "model" else None
     episodes = run_policy(cfg, tasks, cfg.collect.n_runs, cfg.collect.concurrency, runtime, desc=f"collect {cfg.policy}")
     kept = sorted((ep for ep in episodes if not ep.invalid and ep.report.strict), key=lambda ep: (ep.task.name, ep.run))

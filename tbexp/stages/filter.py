@@ -42,7 +42,7 @@ def run(cfg: Any) -> dict[str, float]:
 def select(cfg: Any, out: Path) -> dict[str, Any]:
     """Rate the candidates, write `out/kept_tasks.json`; return counts with its path under `filter/kept_tasks`."""
     f = cfg.task_filter
-    tasks = load_task_set(cfg.tasks, split=f.split)
+    tasks = load_task_set(cfg.tasks, split=f.split, part="rl")
     if f.max_tasks and f.max_tasks < len(tasks):
         tasks = sorted(random.Random(cfg.seed).sample(tasks, f.max_tasks), key=lambda t: t.name)
     if f.name == "none":

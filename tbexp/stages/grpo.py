@@ -107,7 +107,7 @@ def train(cfg: Any, out: Path) -> dict[str, Any]:
 
 
 def _rl_tasks(cfg: Any) -> list:
-    candidates = load_task_set(cfg.tasks, split=cfg.task_filter.split)
+    candidates = load_task_set(cfg.tasks, split=cfg.task_filter.split, part="rl")
     if not cfg.grpo.tasks_file:
         return candidates
     path = Path(cfg.grpo.tasks_file)

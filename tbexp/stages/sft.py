@@ -201,7 +201,7 @@ def oracle_trajectories(cfg: Any) -> Path:
     from tbexp.stages.collect import collect
     from tbexp.tasks import load_task_set
 
-    names = [t.name for t in load_task_set(cfg.tasks, split=cfg.collect.split)]
+    names = [t.name for t in load_task_set(cfg.tasks, split=cfg.collect.split, part="sft")]
     key = hashlib.sha256(json.dumps([names, cfg.agent.name, str(cfg.tasks.path), cfg.tasks.seed]).encode()).hexdigest()[:16]
     path = Path(cfg.tasks.cache_dir).parent / "trajectories" / f"oracle-{cfg.agent.name}-{len(names)}tasks-{key}.jsonl"
     if not path.exists():

@@ -10,8 +10,12 @@ from tbexp.tasks.harbor_task import Task, TaskError, load_task, load_tasks
 __all__ = ["Task", "TaskError", "load_task", "load_tasks", "load_task_set"]
 
 
-def load_task_set(settings: Any, split: str | None = None) -> list[Task]:
-    """The tasks `settings` names; `split` overrides `settings.split` for the built-in suite."""
+def load_task_set(settings: Any, split: str | None = None, part: str | None = None) -> list[Task]:
+    """The tasks `settings` names; `split` overrides `settings.split` for the built-in suite.
+
+    `part` divides the train split when `settings.rl_share` > 0: "rl" is that share of each
+    family's tasks (seeded), kept for RL; "sft" is the rest, whose solutions SFT trains on.
+    """
     if settings.source == "builtin":
         from tbexp.tasks.builtin import write_suite
 
@@ -20,6 +24,9 @@ def load_task_set(settings: Any, split: str | None = None) -> list[Task]:
         tasks = load_tasks(root / (split or settings.split))
     else:
         tasks = load_tasks(settings.path)
+    if part and settings.rl_share > 0 and (split or settings.split) == "train":
+        rl = _rl_part(tasks, settings.rl_share, settings.seed)
+        tasks = [t for t in tasks if (t.name in rl) == (part == "rl")]
     if settings.families:
         unknown = set(settings.families) - {t.family for t in tasks}
         if unknown:
@@ -28,3 +35,18 @@ def load_task_set(settings: Any, split: str | None = None) -> list[Task]:
     if settings.limit:
         tasks = tasks[: settings.limit]
     return tasks
+
+
+def _rl_part(tasks: list[Task], share: float, seed: int) -> set[str]:
+    """`share` of each family's tasks, chosen by a seeded hash of the name: stable as the suite grows."""
+    import zlib
+    from collections import defaultdict
+
+    families: dict[str, list[Task]] = defaultdict(list)
+    for t in tasks:
+        families[t.family].append(t)
+    chosen: set[str] = set()
+    for members in families.values():
+        members.sort(key=lambda t: zlib.crc32(f"{seed}/{t.name}".encode()))
+        chosen.update(t.name for t in members[: round(share * len(members))])
+    return chosen
