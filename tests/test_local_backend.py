@@ -440,3 +440,38 @@ def test_lora_reaches_moe_expert_parameters_through_target_parameters(tmp_path):
     backend.forward_backward([datum], "cross_entropy").result()
     backend.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     assert any(not torch.equal(before[n], p) for n, p in backend.model.named_parameters() if n in before)  # the experts' LoRA trained
+
+
+@pytest.mark.parametrize("merge", [False, True])
+def test_sampler_is_a_snapshot_merged_or_not(tmp_path, merge):
+    b = backend(tmp_path, merge_for_sampling=merge)
+    b.forward_backward([sft_datum(random_tokens(12, 1))], "cross_entropy").result()
+    b.optim_step(sgd(0.05)).result()
+    params = types.SamplingParams(max_tokens=8, temperature=1.0, stop=[], seed=3)
+    sampler = b.sampler()
+    before = sampler.sample(_prompt(), 2, params).result()
+    b.forward_backward([sft_datum(random_tokens(12, 2))], "cross_entropy").result()
+    b.optim_step(sgd(0.05)).result()
+    again = sampler.sample(_prompt(), 2, params).result()  # trained since: the snapshot must not see it
+    assert [s.tokens for s in again] == [s.tokens for s in before]
+    assert sum((s.logprobs for s in again), []) == pytest.approx(sum((s.logprobs for s in before), []), abs=1e-6)
+    other = backend(tmp_path / "other", merge_for_sampling=not merge)
+    other.load_state(b.save_state("now"))
+    fresh, mine = other.sampler(), b.sampler()  # merged and unmerged views of the same weights agree
+    assert [s.tokens for s in fresh.sample(_prompt(), 2, params).result()] == [s.tokens for s in mine.sample(_prompt(), 2, params).result()]
+    tokens = types.ModelInput.from_ints(_prompt().to_ints() + before[0].tokens)
+    assert fresh.compute_logprobs(tokens).result()[1:] == pytest.approx(mine.compute_logprobs(tokens).result()[1:], abs=1e-5)
+
+
+def test_batched_requests_get_what_each_would_get_alone(tmp_path):
+    from tbexp.backends.batch_sampling import Request
+
+    sampler = backend(tmp_path).sampler()
+    prompts = [random_tokens(n, seed=n) for n in (3, 9, 5)]  # different lengths: left padding must not leak
+    requests = [Request(p, types.SamplingParams(max_tokens=6 + i, temperature=0.8, stop=[], seed=10 + i)) for i, p in enumerate(prompts)]
+    batched = sampler.sample_batch(requests)
+    alone = [sampler.sample_batch([r])[0] for r in requests]
+    assert [s.tokens for s in batched] == [s.tokens for s in alone]
+    assert [len(s.tokens) for s in batched] == [6, 7, 8]
+    for s, a in zip(batched, alone):
+        assert s.logprobs == pytest.approx(a.logprobs, abs=1e-4)

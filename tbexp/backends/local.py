@@ -51,6 +51,7 @@ The constructor takes ownership of `model` (peft modifies it in place);
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import json
@@ -79,7 +80,7 @@ PACKED_ATTENTION = "tbexp_packed"  # the attention implementation that `packing`
 
 
 class LocalBackend(TrainingBackend):
-    def __init__(self, model, tokenizer, *, lora_rank: int, lora_alpha: float, lora_dropout: float, lora_targets: list[str], lora_target_parameters: list[str] | None = None, device: str = "auto", seed: int = 0, save_dir: str | Path, microbatch_tokens: int = 8192, gradient_checkpointing: bool = False, packing: bool = False, dtype: str | None = None, compile_backend: str | None = None, logprob_chunk_tokens: int | None = None, sdpa_backend: str | None = None, cuda_graph_sampling: bool = False):
+    def __init__(self, model, tokenizer, *, lora_rank: int, lora_alpha: float, lora_dropout: float, lora_targets: list[str], lora_target_parameters: list[str] | None = None, merge_for_sampling: bool | None = None, device: str = "auto", seed: int = 0, save_dir: str | Path, microbatch_tokens: int = 8192, gradient_checkpointing: bool = False, packing: bool = False, dtype: str | None = None, compile_backend: str | None = None, logprob_chunk_tokens: int | None = None, sdpa_backend: str | None = None, cuda_graph_sampling: bool = False):
         _check_plain_lm_head(model.config)
         self.tokenizer = tokenizer
         self.device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto" else device)
@@ -87,6 +88,9 @@ class LocalBackend(TrainingBackend):
         self.microbatch_tokens = microbatch_tokens
         self.lora_rank = lora_rank
         self.packing = packing
+        # A private merged copy per sampler pays off where per-layer overhead dominates: small models on a CPU.
+        small = sum(p.numel() for p in model.parameters()) < 50_000_000
+        self.merge_for_sampling = (self.device.type == "cpu" and small) if merge_for_sampling is None else merge_for_sampling
         self.compile_backend, self.logprob_chunk_tokens, self.sdpa_backend = compile_backend, logprob_chunk_tokens, sdpa_backend
         self.cuda_graph_sampling = cuda_graph_sampling
         self.dtype = getattr(torch, dtype) if dtype else None
@@ -190,6 +194,11 @@ class LocalBackend(TrainingBackend):
     # ---- sampling ----
 
     def sampler(self) -> LocalSampler:
+        if self.merge_for_sampling:
+            with self._lock:
+                merged = copy.deepcopy(self.model)
+                merged = merged.merge_and_unload() if isinstance(merged, PeftModel) else merged
+            return LocalSampler(self, merged.eval())
         sampler = LocalSampler(self)
         with self._lock:
             self._live_samplers.add(sampler)
@@ -274,30 +283,51 @@ class LocalBackend(TrainingBackend):
 
 
 class LocalSampler(Sampler):
-    def __init__(self, backend: LocalBackend):
+    """Samples from a snapshot of the backend's weights.
+
+    Normally the snapshot is the live weights until they change (then a copy of
+    the trainable tensors, swapped in while sampling). With `merged`, a model of
+    its own with the LoRA weights folded in: no peft layers to run at every
+    token and no backend lock, so it samples about twice as fast on a CPU, at
+    the cost of a copy of the model (chosen only for small models on CPU).
+    """
+
+    def __init__(self, backend: LocalBackend, merged=None):
         self._backend = backend
         self._weights: dict[str, torch.Tensor] | None = None  # None while the backend's weights are still these
+        self._merged = merged
+        self._merged_lock = threading.Lock()
+
+    @contextmanager
+    def _model(self):
+        """(model to call, its causal LM) with the snapshot's weights in place."""
+        b = self._backend
+        if self._merged is not None:
+            with self._merged_lock, torch.no_grad():
+                yield self._merged, self._merged
+        else:
+            with b._lock, b._weights(self._weights):
+                yield b.model, b._lm
 
     def sample(self, prompt: types.ModelInput, num_samples: int, params: types.SamplingParams) -> Future[list[SampledSequence]]:
         b = self._backend
-        with b._lock, b._weights(self._weights):
-            context = getattr(b._lm.config, "max_position_embeddings", None)
-            return Done(sample_sequences(b.model, b.tokenizer, prompt.to_ints(), num_samples, params, b.eos_token_ids, context, static_decode=b.cuda_graph_sampling))
+        with self._model() as (model, lm):
+            context = getattr(lm.config, "max_position_embeddings", None)
+            return Done(sample_sequences(model, b.tokenizer, prompt.to_ints(), num_samples, params, b.eos_token_ids, context, static_decode=b.cuda_graph_sampling and self._merged is None))
 
     def compute_logprobs(self, prompt: types.ModelInput) -> Future[list[float | None]]:
-        b = self._backend
-        tokens_T = torch.tensor(prompt.to_ints(), dtype=torch.long, device=b.device)
-        with b._lock, b._weights(self._weights), torch.no_grad():
-            hidden_T_D = b._lm.get_decoder()(input_ids=tokens_T[None], use_cache=False).last_hidden_state[0]
-            head = b._lm.get_output_embeddings()
+        tokens_T = torch.tensor(prompt.to_ints(), dtype=torch.long, device=self._backend.device)
+        with self._model() as (_, lm), torch.no_grad():
+            hidden_T_D = lm.get_decoder()(input_ids=tokens_T[None], use_cache=False).last_hidden_state[0]
+            head = lm.get_output_embeddings()
             logp_T = target_logprobs(hidden_T_D[:-1], head.weight, tokens_T[1:], head.bias)
         return Done([None] + logp_T.float().cpu().tolist())
 
     def sample_batch(self, requests: list[Request]) -> list[SampledSequence]:
         """One reply per request, all in one batched decode (see batch_sampling.py)."""
         b = self._backend
-        with b._lock, b._weights(self._weights):
-            return sample_batch(b.model, b.tokenizer, requests, b.eos_token_ids)
+        with self._model() as (model, _):
+            return sample_batch(model, b.tokenizer, requests, b.eos_token_ids)
 
 
 def _row(datum: types.Datum, loss_fn: str) -> dict[str, torch.Tensor]:
