@@ -178,6 +178,7 @@ class GRPOConfig:
 @dataclass
 class PipelineConfig:
     stages: list[str] = field(default_factory=lambda: ["collect", "sft", "filter", "grpo", "eval"])
+    cache_sft: bool = True  # SFT results are shared by content hash (a sweep's trials with one SFT setting train once)
 
 
 @dataclass

@@ -61,6 +61,13 @@ def test_pipeline_writes_the_base_sft_rl_table_and_resumes(rootfs, tmp_path):
     assert said.count("already done") == 7 and "rollouts" not in said  # collect, sft, base, sft eval, filter, grpo, final eval
     assert json.loads((run / "summary.json").read_text())["rl"] == summary["rl"]
 
+    # Another job with the same SFT settings (a sweep trial varying only GRPO) reuses the SFT instead of training again.
+    other = _tbexp(*MINIATURE, "grpo.learning_rate=0.01", f"hydra.run.dir={tmp_path / 'other'}")
+    assert other.returncode == 0, other.stderr[-3000:]
+    assert (tmp_path / "other" / "sft").resolve() == (run / "sft").resolve()
+    rows = [json.loads(line) for line in (run / "sft" / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(r["step"] for r in rows if "train/nll" in r) == list(range(1, 21))  # each step trained once
+
 
 @pytest.mark.sandbox
 def test_eval_compares_candidates_and_gives_a_promotion_verdict(rootfs, tmp_path):

@@ -17,6 +17,7 @@ command in the same directory continues where it stopped. The job's value
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import shutil
@@ -44,7 +45,8 @@ def run(cfg: Any) -> dict[str, float]:
         data = done.get("collect", lambda: {"collect/data": str(sft.oracle_trajectories(cfg))})["collect/data"]
         cfg = with_overrides(cfg, **{"sft.data": data})
     if "sft" in parts:
-        training = done.get("sft_training", lambda: sft.train(cfg, out / "sft"))
+        folder = _sft_folder(cfg, out)
+        training = done.get("sft_training", lambda: _one_at_a_time(folder, lambda: sft.train(cfg, folder)))
         checkpoint = training["sft/checkpoint"]
         done.get("base", lambda: evaluate_checkpoint(cfg, out / "eval_base", cfg.load_checkpoint, label="base", quiet=True))
         done.get("sft_eval", lambda: evaluate_checkpoint(cfg, out / "eval_sft", checkpoint, label="sft", quiet=True))
@@ -77,6 +79,39 @@ def run(cfg: Any) -> dict[str, float]:
     print(f"run directory: {out}")
     final = list(rows.values())[-1] if rows else {}
     return {k: v for k, v in final.items() if isinstance(v, float)}
+
+
+def _sft_folder(cfg: Any, out: Path) -> Path:
+    """Where SFT trains: with `pipeline.cache_sft`, a folder named by everything that decides its result.
+
+    Sweep trials (or re-runs) that share model, SFT settings, data, tasks and
+    seed then reuse one training instead of repeating it; `<run>/sft` links there.
+    """
+    if not cfg.pipeline.cache_sft:
+        return out / "sft"
+    from omegaconf import OmegaConf
+
+    h = hashlib.sha256()
+    decided_by = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "sft", "agent", "tasks")}
+    decided_by["tasks"].pop("split", None)  # the eval split does not change what SFT trains on
+    h.update(json.dumps({**decided_by, "seed": cfg.seed, "backend": cfg.backend.name}, sort_keys=True).encode())
+    if cfg.sft.data and Path(cfg.sft.data).is_file():
+        h.update(Path(cfg.sft.data).read_bytes())
+    folder = Path(cfg.tasks.cache_dir).parent / "sft" / h.hexdigest()[:20]
+    folder.mkdir(parents=True, exist_ok=True)
+    link = out / "sft"
+    if not link.exists():
+        link.symlink_to(folder, target_is_directory=True)
+    return folder
+
+
+def _one_at_a_time(folder: Path, work: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Run `work` holding a lock on `folder`: a second trial with the same SFT waits, then resumes the finished run."""
+    import fcntl
+
+    with open(folder / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return work()
 
 
 class _Done:
