@@ -71,7 +71,7 @@ def warm_start(tmp_path_factory, rootfs) -> str:
     return sft.train(cfg, folder / "sft")["sft/checkpoint"]
 
 
-GRPO = ["stage=grpo", "policy=model", "reward=per_test", "tasks.limit=3", "tasks.families=[file-move]", "task_filter.max_tasks=0", "grpo.groups_per_step=3", "grpo.group_size=6", "grpo.temperature=1.2", "grpo.eval_every=2", "grpo.eval_n_runs=1", "sampling.max_tokens=48", "agent.max_turns=3"]
+GRPO = ["stage=grpo", "policy=model", "reward=per_test", "task_filter=none", "tasks.limit=3", "tasks.families=[file-move]", "task_filter.max_tasks=0", "grpo.groups_per_step=3", "grpo.group_size=6", "grpo.temperature=1.2", "grpo.eval_every=2", "grpo.eval_n_runs=1", "sampling.max_tokens=48", "agent.max_turns=3"]
 
 
 def _grpo(run_dir, monkeypatch, checkpoint, *overrides):
@@ -156,4 +156,4 @@ def test_no_kept_tasks_is_a_clear_error(tmp_path):
     kept.write_text(json.dumps({"kept": [], "rates": {}}))
     cfg = compose_config("stage=grpo", f"grpo.tasks_file={kept}", "tasks.limit=3", "tasks.families=[file-move]")
     with pytest.raises(DataError, match="no RL tasks kept"):
-        grpo_stage._rl_tasks(cfg)
+        grpo_stage._rl_tasks(cfg, tmp_path)

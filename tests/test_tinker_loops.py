@@ -134,7 +134,7 @@ def test_grpo_runs_unchanged_on_tinker_from_a_tinker_checkpoint(rootfs, tmp_path
     from tbexp.build import make_backend
 
     start = make_backend(cfg, tmp_path / "unused").save_state("start")
-    overrides = ["stage=grpo", "backend=tinker", "model.lora_rank=8", "policy=model", f"load_checkpoint={start}", "tasks.limit=2", "tasks.families=[file-move]", "reward=per_test", "grpo.steps=1", "grpo.groups_per_step=2", "grpo.group_size=2", "grpo.eval_at_start=false", "grpo.eval_n_runs=1", "grpo.temperature=1.5", "sampling.max_tokens=24", "agent.max_turns=2"]
+    overrides = ["stage=grpo", "backend=tinker", "model.lora_rank=8", "policy=model", f"load_checkpoint={start}", "tasks.limit=2", "tasks.families=[file-move]", "task_filter.k=1", "task_filter.lower=0.0", "task_filter.upper=1.0", "reward=per_test", "grpo.steps=1", "grpo.groups_per_step=2", "grpo.group_size=2", "grpo.eval_at_start=false", "grpo.eval_n_runs=1", "grpo.temperature=1.5", "sampling.max_tokens=24", "agent.max_turns=2"]
     metrics = grpo.train(compose_config(*overrides), tmp_path / "grpo")
     assert f"load_state {start}" in tinker_service.log
     assert metrics["grpo/checkpoint"] == "tinker://stand-in/step-00001"

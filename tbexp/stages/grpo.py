@@ -65,7 +65,7 @@ def train(cfg: Any, out: Path) -> dict[str, Any]:
     from tqdm import trange
 
     g = cfg.grpo
-    tasks = _rl_tasks(cfg)
+    tasks = _rl_tasks(cfg, out)
     state_path = out / "grpo_state.json"
     state = json.loads(state_path.read_text()) if state_path.exists() else {"step": 0, "checkpoint": "", "evals": []}
     backend = make_backend(cfg, out / "checkpoints")
@@ -106,10 +106,17 @@ def train(cfg: Any, out: Path) -> dict[str, Any]:
     return {"grpo/best_step": float(best["step"]), "grpo/best_reward": best["eval/reward"], "grpo/steps_run": float(state["step"]), "grpo/rl_tasks": float(len(tasks)), "grpo/checkpoint": best["checkpoint"], **{k: best[k] for k in EVAL_KEYS}}
 
 
-def _rl_tasks(cfg: Any) -> list:
+def _rl_tasks(cfg: Any, out: Path) -> list:
+    """The kept tasks of `grpo.tasks_file`; without one, the filter runs first (task_filter=none keeps all)."""
     candidates = load_task_set(cfg.tasks, split=cfg.task_filter.split, part="rl")
     if not cfg.grpo.tasks_file:
-        return candidates
+        if cfg.task_filter.name == "none":
+            return candidates
+        from tbexp.stages import filter as filter_stage
+
+        # The rates that matter are those at the temperature RL samples at, from the weights RL starts with.
+        filter_cfg = with_overrides(cfg, policy="model", **{"sampling.temperature": cfg.grpo.temperature})
+        cfg = with_overrides(cfg, **{"grpo.tasks_file": filter_stage.select(filter_cfg, out / "filter")["filter/kept_tasks"]})
     path = Path(cfg.grpo.tasks_file)
     if not path.exists():
         raise DataError(f"grpo.tasks_file={path}: no such file (the filter stage writes kept_tasks.json)")
