@@ -7,7 +7,7 @@
 # can then cap each container's writable layer too (--storage-opt size=, which it supports only on
 # XFS with pquota); without them (as on this project's VMs) only the total is bounded. Where no loop
 # file system can be made, or with TBEXP_DOCKER_DATA_GB=0, Docker's default data root is used and
-# nothing is bounded (see tbexp/sandboxes/docker.py).
+# nothing is bounded (see tbexp/sandboxes/docker_containers.py).
 # Installs docker.io (and xfsprogs) from Debian when missing. Idempotent; needs root.
 set -euo pipefail
 LOG=${TBEXP_DOCKERD_LOG:-/var/log/tbexp-dockerd.log}

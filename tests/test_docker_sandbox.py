@@ -17,7 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-import tbexp.sandboxes.docker as docker_sandbox
+import tbexp.sandboxes.docker_containers as docker_containers
+import tbexp.sandboxes.docker_images as docker_images
 from tbexp.sandboxes.base import OUTPUT_LIMIT_EXIT, TIMEOUT_EXIT, SandboxError
 from tbexp.sandboxes.docker import DockerSandbox
 from tbexp.tasks import load_task
@@ -177,7 +178,7 @@ def test_filling_the_disk_is_bounded_or_harmless(sandbox, docker_engine, setting
     result = sandbox.exec("dd if=/dev/zero of=/big bs=1M count=200 2>&1; stat -c %s /big", timeout_s=60)
     assert "File size limit exceeded" in result.output or "File too large" in result.output
     assert int(result.output.split()[-1]) <= settings.disk_mb * 2**20  # one file: RLIMIT_FSIZE
-    if docker_sandbox._storage_opt_ok:  # the engine caps the whole writable layer
+    if docker_containers._storage_opt_ok:  # the engine caps the whole writable layer
         result = sandbox.exec("for i in 1 2 3; do dd if=/dev/zero of=/f$i bs=1M count=40 2>&1; done; du -smc /big /f? | tail -1", timeout_s=60)
         assert int(result.output.split()[-2]) <= settings.disk_mb + 1
     else:  # only the engine's data root bounds it: it must not be the host's root file system
@@ -219,9 +220,9 @@ def _start_in_child(task) -> tuple[subprocess.Popen, str, int]:
     """A child process that starts a sandbox, reports (container id, watchdog pid) and sleeps."""
     code = (
         "import sys, time\nfrom tests.conftest import compose_config\nfrom tbexp.tasks import load_task\n"
-        "import tbexp.sandboxes.docker as d\n"
+        "import tbexp.sandboxes.docker as d, tbexp.sandboxes.docker_containers as c\n"
         f"box = d.DockerSandbox(compose_config('sandbox=docker').sandbox, load_task({str(task.path)!r}))\n"
-        "box.start()\nprint(box.id, d._watchdog.pid, flush=True)\ntime.sleep(600)\n"
+        "box.start()\nprint(box.id, c._watchdog.pid, flush=True)\ntime.sleep(600)\n"
     )
     child = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
     box_id, watchdog_pid = child.stdout.readline().split()
@@ -277,8 +278,8 @@ def test_bad_environments_are_clear_errors(settings, tmp_path):
 def test_image_is_built_once_per_content(settings, tmp_path, monkeypatch, docker_engine):
     task = load_task(make_task(tmp_path, "cached", files={"input.txt": uuid.uuid4().hex}))
     builds = []
-    real_build = docker_sandbox._build
-    monkeypatch.setattr(docker_sandbox, "_build", lambda *a: builds.append(a[3]) or real_build(*a))
+    real_build = docker_images._build
+    monkeypatch.setattr(docker_images, "_build", lambda *a: builds.append(a[3]) or real_build(*a))
     boxes = [DockerSandbox(settings, task) for _ in range(3)]
     with ThreadPoolExecutor(3) as pool:
         list(pool.map(lambda box: box.start(), boxes))

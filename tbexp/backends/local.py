@@ -1,5 +1,9 @@
 """`backend=local`: a transformers model (LoRA through peft, or full fine-tuning) trained in this process.
 
+This module holds the backend, its sampler, and how datums become micro-batches
+and losses; the speed and memory knobs (bf16, compiled layers, the packed
+attention kernel, SDPA's kernel choice, checkpointing) live in local_speed.py.
+
 forward_backward: datums are sorted by length and grouped into micro-batches
 of at most `microbatch_tokens` padded tokens, right-padded with an attention
 mask (causal attention means real positions never see the padding, so each
@@ -7,30 +11,21 @@ datum's logprobs equal those of running it alone); a micro-batch of equal
 lengths gets no mask, so SDPA runs its plain causal (flash) kernel. With
 `packing`, a micro-batch is instead one row of concatenated datums (at most
 `microbatch_tokens` real tokens) whose position_ids restart at each datum,
-and during these passes the model's attention is `_packed_attention`: each
-datum attends only within itself through torch's Flash varlen kernel on CUDA
-(one SDPA call per datum elsewhere), so no compute goes to padding and no
-[T, T] mask is built. Sampling keeps the model's own attention. The
-decoder gives hidden states; the target logprobs come from the LM head a
-chunk of positions at a time (`logprobs.py`), so [T, V] logits never exist
-whole. Each micro-batch's loss — a sum over tokens, as Tinker defines it — is
-backpropagated at once, and gradients add up until `optim_step`. Inputs go to
-the device before any work is queued and the losses and logprobs stay there
-until the call's end, so a call syncs with the device once. The whole call
-runs eagerly; the returned future is already done.
+and during these passes the model's attention is local_speed.py's
+`_packed_attention`: each datum attends only within itself, so no compute
+goes to padding and no [T, T] mask is built. Sampling keeps the model's own
+attention. The decoder gives hidden states; the target logprobs come from
+the LM head a chunk of positions at a time (`logprobs.py`), so [T, V] logits
+never exist whole. Each micro-batch's loss — a sum over tokens, as Tinker
+defines it — is backpropagated at once, and gradients add up until
+`optim_step`. Inputs go to the device before any work is queued and the
+losses and logprobs stay there until the call's end, so a call syncs with
+the device once. The whole call runs eagerly; the returned future is
+already done.
 
-GPU knobs, all off by default: `dtype` ("bfloat16") stores the frozen weights
-in that dtype and runs forward passes (training and sampling) under autocast
-to it, while trainable weights stay fp32 for the optimizer; peft's cast of
-each LoRA input to fp32 is switched off, since autocast recasts it anyway.
-`compile_backend` ("inductor") torch.compiles each decoder layer for
-gradient-taking passes only (one graph reused by every layer; sampling and
-`forward` stay eager, where 1-token steps would only recompile), and fuses
-the chunked log-softmax (`logprobs.py`), whose chunk is `logprob_chunk_tokens`
-positions. `sdpa_backend` ("cudnn_attention") puts that SDPA kernel first for
-training passes. `cuda_graph_sampling` decodes with a static KV cache and
-replays one CUDA graph per token (`sampling.py`). `gradient_checkpointing`
-trades a second forward for activation memory.
+GPU knobs (`dtype`, `compile_backend`, `logprob_chunk_tokens`,
+`sdpa_backend`, `cuda_graph_sampling`, `gradient_checkpointing`) are all off
+by default; local_speed.py says what each does.
 
 optim_step: torch AdamW with Tinker's `AdamParams` (decoupled weight decay,
 global-norm clipping when `grad_clip_norm` > 0), hyperparameters set afresh
@@ -52,8 +47,6 @@ The constructor takes ownership of `model` (peft modifies it in place);
 from __future__ import annotations
 
 import copy
-import functools
-import inspect
 import json
 import random
 import threading
@@ -67,16 +60,14 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
 from tinker import types
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from tbexp.backends.base import LOSSES, Done, ForwardBackwardResult, Future, Sampler, SampledSequence, TrainingBackend
 from tbexp.backends.batch_sampling import Request, sample_batch
+from tbexp.backends.local_speed import PACKED_ATTENTION, _attention_implementation, _cast_weights, _compile_layers, _enable_checkpointing, _register_packed_attention, _sdpa_first
 from tbexp.backends.logprobs import target_logprobs
 from tbexp.backends.sampling import sample_sequences
 
 RL_INPUTS = ("target_tokens", "logprobs", "advantages")
-PACKED_ATTENTION = "tbexp_packed"  # the attention implementation that `packing` installs
 
 
 class LocalBackend(TrainingBackend):
@@ -116,7 +107,7 @@ class LocalBackend(TrainingBackend):
         if self.dtype is not None:
             _cast_weights(model, frozen=self.dtype, trainable=torch.float32)
         if packing:
-            AttentionInterface.register(PACKED_ATTENTION, _packed_attention)
+            _register_packed_attention()
         if compile_backend:
             _compile_layers(self._lm, compile_backend)
         if not isinstance(self._lm.get_output_embeddings(), torch.nn.Linear):
@@ -419,90 +410,6 @@ def _check_plain_lm_head(config) -> None:
     # The chunked logprobs apply the LM head as a plain linear map.
     if getattr(config, "final_logit_softcapping", None) or getattr(config, "logits_scaling", 1) != 1 or getattr(config, "logit_scale", 1) != 1:
         raise ValueError(f"{type(config).__name__}: soft-capped or scaled logits are not supported by the local backend")
-
-
-def _enable_checkpointing(model) -> None:
-    # Non-reentrant checkpointing works with frozen embeddings (LoRA) without forcing input grads.
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-
-
-def _cast_weights(model, frozen: torch.dtype, trainable: torch.dtype) -> None:
-    """Floating-point weights that do not train to `frozen`, those that train to `trainable`."""
-    for p in model.parameters():
-        target = trainable if p.requires_grad else frozen
-        if p.is_floating_point() and p.dtype != target:
-            p.data = p.data.to(target)
-    for m in model.modules():  # peft casts each LoRA input to its fp32 weight's dtype; autocast makes that a wasted pass
-        if hasattr(m, "cast_input_dtype_enabled"):
-            m.cast_input_dtype_enabled = False
-
-
-def _compile_layers(lm, backend: str) -> None:
-    """torch.compile each decoder layer, used only when gradients are taken (training forward passes)."""
-    layers = getattr(lm.get_decoder(), "layers", None)
-    if layers is None:
-        raise ValueError(f"compile_backend: {type(lm).__name__}'s decoder has no `layers` to compile")
-    for layer in layers:
-        layer.forward = functools.partial(_forward_compiled_with_grad, layer.forward, torch.compile(layer.forward, backend=backend))
-
-
-def _forward_compiled_with_grad(eager, compiled, *args, **kwargs):
-    return compiled(*args, **kwargs) if torch.is_grad_enabled() else eager(*args, **kwargs)
-
-
-def _sdpa_first(name: str | None):
-    """SDPA tries kernel `name` (an `SDPBackend` name, any case) first, then its usual order; None: its usual order."""
-    if name is None:
-        return nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    first = getattr(SDPBackend, name.upper())  # a pybind enum: no [] lookup
-    usual = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-    return sdpa_kernel([first] + [b for b in usual if b != first], set_priority=True)
-
-
-@contextmanager
-def _attention_implementation(lm, name: str | None):
-    """Run the model with attention implementation `name` (None: leave it as it is)."""
-    previous = lm.config._attn_implementation
-    if name is not None:
-        lm.set_attn_implementation(name)
-    try:
-        yield
-    finally:
-        if name is not None:
-            lm.set_attn_implementation(previous)
-
-
-def _packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, cu_seq_lens_q=None, max_length_q=None, **kwargs):
-    """A transformers attention function: causal attention within each datum of one packed row [1, H, T, d]."""
-    if cu_seq_lens_q is None:  # nothing packed (sampling, one prompt): plain SDPA
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-    groups = query.shape[1] // key.shape[1]  # GQA: each K/V head serves `groups` query heads
-    q_H_T_d, k_H_T_d, v_H_T_d = query[0], key[0].repeat_interleave(groups, 0), value[0].repeat_interleave(groups, 0)
-    if query.is_cuda and _varlen_attn() is not None:
-        varlen, causal = _varlen_attn()
-        q_T_H_d, k_T_H_d, v_T_H_d = (t.transpose(0, 1).contiguous() for t in (q_H_T_d, k_H_T_d, v_H_T_d))
-        out_T_H_d = varlen(q_T_H_d, k_T_H_d, v_T_H_d, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, scale=scaling, **causal)
-    else:
-        bounds = cu_seq_lens_q.tolist()
-        parts = [torch.nn.functional.scaled_dot_product_attention(q_H_T_d[:, s:e], k_H_T_d[:, s:e], v_H_T_d[:, s:e], is_causal=True, scale=scaling) for s, e in zip(bounds, bounds[1:])]
-        out_T_H_d = torch.cat(parts, dim=1).transpose(0, 1)
-    return out_T_H_d[None], None
-
-
-@functools.cache
-def _varlen_attn():
-    """torch's Flash varlen attention and its causal argument (torch 2.10 took is_causal, later ones a window), or None."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    params = inspect.signature(varlen_attn).parameters
-    return varlen_attn, {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
 
 
 def _as_list(x) -> list:

@@ -1,20 +1,10 @@
-"""Docker sandboxes: the task's own image, one container per episode, no network.
+"""`sandbox=docker`: the task's own image, one container per episode, no network.
 
-The image is built from the task's `environment/Dockerfile` (context
-`environment/`, `--network none`, legacy builder) and tagged by a hash of
-that directory plus the ids of the local images it starts FROM, so an
-unchanged task is built once per engine; threads that need the same tag wait
-on one lock. Nothing is ever pulled: a FROM image must exist locally
-(scripts/build_base_image.sh makes `tbexp-base:bookworm`).
-
-The container has no network, a CPU quota, memory (swap included) and
-process-count limits, and its main process is a bash loop that sleeps until
-`max_lifetime_s` has passed, reaping orphans meanwhile; it then exits and the
-engine removes the container (auto-remove), so a dead tbexp leaves nothing
-behind for long. Two more guards remove containers sooner: the first start in
-a process removes labelled containers whose owner process (same host) is
-gone, and a detached watchdog process, started once per process, removes the
-owner's containers as soon as the owner dies, even by SIGKILL.
+`DockerSandbox.start` gets the task's image (built once per content,
+docker_images.py), guards this process's containers against its death, and
+starts a container with the task's limits (docker_containers.py). This module
+holds the sandbox itself: running commands in the container and copying files
+in and out of it.
 
 Each `exec` is one `docker exec` of a small bash wrapper: it runs the command
 in a session of its own (so the command's `kill 0` spares the wrapper), with
@@ -34,14 +24,8 @@ on it. Where the wrapper is killed while a background process still holds
 the output pipe, the stream ends when the engine stops waiting for it (2 s).
 
 What is simplified:
-* Disk. A container's writable layer is capped at `disk_mb` only where the
-  engine supports `--storage-opt size` (overlay2 on XFS with project quotas);
-  the first refusal is remembered and later containers are made without it.
-  On kernels without XFS quotas (this project's VMs) only the engine's data
-  root as a whole is bounded: scripts/start_dockerd.sh puts it on a loop
-  file system, so a sandbox that fills its disk can fail other sandboxes'
-  writes until it is stopped, but never fills the host's. Any one file is
-  capped at `disk_mb` (RLIMIT_FSIZE) in either case.
+* Disk: see docker_containers.py (the writable layer is capped only where the
+  engine can; any one file is capped at `disk_mb` by the wrapper).
 * /tmp is part of the writable layer, not a tmpfs: the copy API
   (`put_archive`/`get_archive`) does not see tmpfs mounts and a tmpfs hides
   what the image put there.
@@ -53,34 +37,24 @@ What is simplified:
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
-import re
 import select
 import socket
-import subprocess
-import sys
 import tarfile
 import tempfile
-import threading
 import time
-import uuid
 from pathlib import Path, PurePosixPath
 
 import docker
-import requests
 
 from tbexp.sandboxes.base import OUTPUT_LIMIT_EXIT, TIMEOUT_EXIT, ExecResult, Sandbox, SandboxError
+from tbexp.sandboxes.docker_containers import _container_options, _create_container, _guard_process
+from tbexp.sandboxes.docker_images import ENGINE_ERRORS, _client, _ensure_image
 
 log = logging.getLogger(__name__)
 
-LABEL = "tbexp.sandbox"
-HOST = socket.gethostname()
 KILL_GRACE_S = 5.0  # after a kill, how long the stream may take to end
 STATUS_TAIL_BYTES = 256  # kept of the wrapper's stderr, whose last line is the exit code
-# PID 1: sleep in a child so that `wait` reaps every orphan; a killed sleep is restarted.
-KEEPER = "exec 2>/dev/null; end=$((SECONDS + {lifetime_s})); while ((SECONDS < end)); do sleep $((end - SECONDS)) & wait $!; done"
 # $1 = the command, $2 = RLIMIT_FSIZE in KiB. stdout carries the command's output; the last line
 # of stderr is the exit code, written only after the clean-up.
 WRAPPER = r"""ulimit -f "$2" 2>/dev/null
@@ -91,30 +65,6 @@ printf '\n%d' "$code" >&2
 exit "$code"
 """
 KILL_ALL = ["bash", "-c", "kill -9 -1"]
-# Runs detached from its parent's session; removes the parent's containers once the parent is gone.
-WATCHDOG = """
-import os, sys, time
-parent, host = int(sys.argv[1]), sys.argv[2]
-while os.getppid() == parent:
-    time.sleep(0.5)
-import docker
-api = docker.APIClient(version="auto", **docker.utils.kwargs_from_env())
-labels = ["tbexp.sandbox=1", f"tbexp.owner_pid={parent}", f"tbexp.owner_host={host}"]
-for container in api.containers(all=True, filters={"label": labels}):
-    try:
-        api.remove_container(container["Id"], force=True)
-    except docker.errors.APIError:
-        pass
-"""
-ENGINE_ERRORS = (docker.errors.DockerException, requests.exceptions.RequestException, OSError)
-
-_state_lock = threading.Lock()
-_clients: dict[int, docker.APIClient] = {}  # by pid: a forked child needs its own connections
-_guarded_pid = 0  # the process whose leftovers were reaped and whose watchdog runs
-_watchdog: subprocess.Popen | None = None
-_tag_locks: dict[str, threading.Lock] = {}
-_hashes: dict[tuple, str] = {}  # environment dir signature -> content hash
-_storage_opt_ok: bool | None = None  # None until the engine has been asked
 
 
 class DockerSandbox(Sandbox):
@@ -129,7 +79,7 @@ class DockerSandbox(Sandbox):
             self.workdir = image_workdir if image_workdir != "/" else self.task.workdir  # as bwrap
             image_env = {entry.partition("=")[0] for entry in config.get("Env") or []}
             env = {k: v for k, v in {"LANG": "C.UTF-8", "TERM": "xterm"}.items() if k not in image_env}
-            self.id = _create_container(self.api, image, self._container_options(env))
+            self.id = _create_container(self.api, image, _container_options(self.settings, self.task.name, self.workdir, env))
             self.api.start(self.id)
         except ENGINE_ERRORS as err:
             self.stop()
@@ -208,34 +158,6 @@ class DockerSandbox(Sandbox):
                 log.warning("could not remove container %s (it ends itself within max_lifetime_s): %s", cid[:12], err)
 
     # -- helpers --------------------------------------------------------------
-
-    def _container_options(self, env: dict[str, str]) -> dict:
-        s = self.settings
-        safe_name = re.sub(r"[^a-zA-Z0-9_.-]+", "-", self.task.name).strip("-.")[:40] or "task"
-        return dict(
-            command=["bash", "-c", KEEPER.format(lifetime_s=max(1, int(s.max_lifetime_s)))],
-            name=f"tbexp-{safe_name}-{os.getpid()}-{uuid.uuid4().hex[:8]}",
-            working_dir=self.workdir,
-            environment=env,
-            labels={
-                LABEL: "1",
-                "tbexp.owner_pid": str(os.getpid()),
-                "tbexp.owner_host": HOST,
-                "tbexp.owner_start": _start_time(os.getpid()),
-                "tbexp.task": self.task.name,
-            },
-            network_disabled=True,
-            host_config=dict(
-                network_mode="none",
-                nano_cpus=int(s.cpus * 1e9),
-                mem_limit=f"{s.memory_mb}m",
-                memswap_limit=f"{s.memory_mb}m",
-                pids_limit=s.pids_limit,
-                ulimits=[docker.types.Ulimit(name="core", soft=0, hard=0)],
-                auto_remove=True,
-            ),
-            disk_mb=s.disk_mb,
-        )
 
     def _start_kill(self) -> str | None:
         """Start `kill -9 -1` as root (detached): every process in the container but PID 1 ends."""
@@ -319,99 +241,6 @@ def _close(raw) -> None:
     raw.close()
 
 
-def _client() -> docker.APIClient:
-    pid = os.getpid()
-    with _state_lock:
-        if pid not in _clients:
-            try:
-                api = docker.APIClient(version="auto", max_pool_size=64, timeout=300, **docker.utils.kwargs_from_env())
-                api.ping()
-            except ENGINE_ERRORS as err:
-                raise SandboxError(f"cannot reach the Docker engine ({err}); start it with scripts/start_dockerd.sh") from err
-            _clients[pid] = api
-        return _clients[pid]
-
-
-def _create_container(api: docker.APIClient, image: str, options: dict) -> str:
-    """Create the container, with a disk cap where the engine supports one."""
-    global _storage_opt_ok
-    options = dict(options)
-    disk_mb, host = options.pop("disk_mb"), options.pop("host_config")
-    if _storage_opt_ok is None:
-        _storage_opt_ok = api.info().get("Driver") == "overlay2"  # other drivers count the image in `size`
-    if _storage_opt_ok:
-        try:
-            config = api.create_host_config(**host, storage_opt={"size": f"{disk_mb}M"})
-            return api.create_container(image, host_config=config, **options)["Id"]
-        except docker.errors.APIError as err:
-            if "storage-opt" not in str(err) and "quota" not in str(err):
-                raise
-            log.info("the engine cannot cap container disks (%s); the writable layer is unbounded", err.explanation)
-            _storage_opt_ok = False
-    return api.create_container(image, host_config=api.create_host_config(**host), **options)["Id"]
-
-
-# -- images -------------------------------------------------------------------
-
-
-def _ensure_image(api: docker.APIClient, env_dir: Path, base_image: str, task_name: str) -> str:
-    """The tag of the task's image, built unless an image with that content hash exists."""
-    dockerfile = env_dir / "Dockerfile"
-    if not dockerfile.is_file():
-        raise SandboxError(f"{dockerfile}: missing (sandbox=docker builds the task's environment from it)")
-    tag = f"tbexp-task:{_content_hash(api, env_dir, base_image)}"
-    with _state_lock:
-        lock = _tag_locks.setdefault(tag, threading.Lock())
-    with lock:
-        try:
-            api.inspect_image(tag)
-            return tag
-        except docker.errors.ImageNotFound:
-            pass
-        except ENGINE_ERRORS as err:
-            raise SandboxError(f"cannot reach the Docker engine: {err}") from err
-        _build(api, env_dir, dockerfile, tag, task_name)
-    return tag
-
-
-def _build(api: docker.APIClient, env_dir: Path, dockerfile: Path, tag: str, task_name: str) -> None:
-    lines: list[str] = []
-    try:
-        for event in api.build(path=str(env_dir), tag=tag, network_mode="none", rm=True, forcerm=True, decode=True, labels={"tbexp.task": task_name}):
-            lines += event.get("stream", "").splitlines()
-            if "error" in event:
-                tail = "\n".join([*lines[-20:], event["error"].strip()])
-                raise SandboxError(f"{dockerfile}: docker build failed:\n{tail}")
-    except ENGINE_ERRORS as err:
-        tail = "\n".join(lines[-20:])
-        raise SandboxError(f"{dockerfile}: docker build failed: {err}\n{tail}") from err
-
-
-def _content_hash(api: docker.APIClient, env_dir: Path, base_image: str) -> str:
-    """sha256 of the build context (paths, modes, contents) and the ids of the local FROM images."""
-    files = sorted(p for p in env_dir.rglob("*") if p.is_file() or p.is_symlink())
-    signature = (str(env_dir.resolve()), *((str(p), p.lstat().st_mtime_ns, p.lstat().st_size) for p in files))
-    digest = _hashes.get(signature)
-    if digest is None:
-        h = hashlib.sha256()
-        for path in files:
-            h.update(f"{path.relative_to(env_dir)}\0{path.lstat().st_mode:o}\0".encode())
-            h.update(os.readlink(path).encode() if path.is_symlink() else path.read_bytes())
-            h.update(b"\0")
-        digest = _hashes[signature] = h.hexdigest()
-    h = hashlib.sha256(digest.encode())
-    for image in re.findall(r"(?im)^\s*FROM\s+(?:--\S+\s+)*(\S+)", (env_dir / "Dockerfile").read_text()):
-        try:
-            h.update(api.inspect_image(image)["Id"].encode())
-        except docker.errors.ImageNotFound as err:
-            if image == base_image:
-                raise SandboxError(f"{env_dir / 'Dockerfile'}: FROM {image}, which this engine lacks: run scripts/build_base_image.sh") from err
-            h.update(image.encode())  # a build stage's name, or an image the build will fail to find
-        except ENGINE_ERRORS as err:
-            raise SandboxError(f"cannot reach the Docker engine: {err}") from err
-    return h.hexdigest()[:16]
-
-
 # -- copying ------------------------------------------------------------------
 
 
@@ -451,53 +280,3 @@ def _inside_dir(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo | None:
     except tarfile.FilterError as err:
         log.warning("download skipped %s: %s", name, err)
         return None
-
-
-# -- leftovers ----------------------------------------------------------------
-
-
-def _guard_process(api: docker.APIClient) -> None:
-    """Once per process: remove dead owners' containers, and start this process's watchdog."""
-    global _guarded_pid, _watchdog
-    with _state_lock:
-        if _guarded_pid == os.getpid():
-            return
-        _guarded_pid = os.getpid()
-        _watchdog = subprocess.Popen(
-            [sys.executable, "-c", WATCHDOG, str(os.getpid()), HOST],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,  # a signal to the owner's process group spares it
-        )
-    try:
-        leftovers = api.containers(all=True, filters={"label": [f"{LABEL}=1", f"tbexp.owner_host={HOST}"]})
-    except ENGINE_ERRORS as err:
-        raise SandboxError(f"cannot list containers: {err}") from err
-    for container in leftovers:
-        labels = container.get("Labels") or {}
-        owner = labels.get("tbexp.owner_pid", "")
-        if owner.isdigit() and not _alive(int(owner), labels.get("tbexp.owner_start", "")):
-            try:
-                api.remove_container(container["Id"], force=True)
-            except ENGINE_ERRORS:
-                pass  # another process reaping at the same time
-
-
-def _start_time(pid: int) -> str:
-    """The process's start time in clock ticks since boot ('' where /proc cannot tell)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return ""
-    return stat.rsplit(")", 1)[1].split()[19]  # field 22, counted after the command name
-
-
-def _alive(pid: int, start_time: str) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return not start_time or _start_time(pid) in ("", start_time)  # a reused pid is not the owner
