@@ -63,6 +63,12 @@ def model_runtime(cfg: Any, save_dir: Path, backend: TrainingBackend | None = No
     return ModelRuntime(backend.sampler(), renderer, sampling_params(settings or cfg.sampling, renderer.stop()), cfg.model.max_length_tokens, seed)
 
 
+def eval_seed(cfg: Any) -> int:
+    """The sampling seed of every held-out eval in a run: checkpoints compared on the same draws (common random
+    numbers), so a difference between them is the weights', not the dice's; n runs of a task still differ."""
+    return cfg.seed * 7919 + 17
+
+
 def run_policy(cfg: Any, tasks: list, n_runs: int, concurrency: int, runtime: Any = None, desc: str = "episodes") -> list:
     """`n_runs` episodes of `cfg.policy` on every task, each in a fresh sandbox, `concurrency` at a time.
 

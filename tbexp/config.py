@@ -168,6 +168,8 @@ class GRPOConfig:
     clip_low_threshold: float = 0.8  # ppo: ratio bounds
     clip_high_threshold: float = 1.2
     scale_by_std: bool = False  # advantage = (reward - group mean) / group std
+    updates_per_step: int = 1  # optimizer steps on each step's samples (use ppo for more than 1)
+    normalize: str = "token"  # token: loss = mean over the step's sampled tokens | episode: mean over episodes of their token means
     kl_coef: float = 0.0  # penalty on log(pi/pi_start) of the sampled tokens; 0 = off
     concurrency: int = 8  # episodes at once
     eval_every: int = 5  # steps between held-out evals (each keeps its checkpoint); the start is evaluated too
@@ -315,7 +317,7 @@ def check(cfg: Any) -> None:
         if value < 1:
             raise ConfigError(f"{key}={value}: must be at least 1")
     g = cfg.grpo
-    for key, value in (("grpo.steps", g.steps), ("grpo.groups_per_step", g.groups_per_step), ("grpo.eval_every", g.eval_every), ("grpo.eval_n_runs", g.eval_n_runs), ("grpo.concurrency", g.concurrency)):
+    for key, value in (("grpo.steps", g.steps), ("grpo.groups_per_step", g.groups_per_step), ("grpo.eval_every", g.eval_every), ("grpo.eval_n_runs", g.eval_n_runs), ("grpo.concurrency", g.concurrency), ("grpo.updates_per_step", g.updates_per_step)):
         if value < 1:
             raise ConfigError(f"{key}={value}: must be at least 1")
     if g.group_size < 2:
@@ -324,6 +326,8 @@ def check(cfg: Any) -> None:
         raise ConfigError(f"grpo.loss_fn={g.loss_fn!r}: choose importance_sampling or ppo")
     if not 0.0 < g.clip_low_threshold < 1.0 < g.clip_high_threshold:
         raise ConfigError(f"grpo.clip_low_threshold={g.clip_low_threshold}, grpo.clip_high_threshold={g.clip_high_threshold}: need low < 1 < high")
+    if g.normalize not in ("token", "episode"):
+        raise ConfigError(f"grpo.normalize={g.normalize!r}: choose token or episode")
     if g.lr_schedule not in ("cosine", "linear", "constant"):
         raise ConfigError(f"grpo.lr_schedule={g.lr_schedule!r}: choose cosine, linear or constant")
     unknown = [s for s in cfg.pipeline.stages if s not in ("collect", "sft", "filter", "grpo", "eval")]

@@ -37,6 +37,16 @@ def test_advantages_are_centred_per_group_and_sit_on_the_sampled_tokens_only():
     assert datums[1].loss_fn_inputs["advantages"].tolist()[1] == pytest.approx(-0.5 / 6)
 
 
+def test_episode_normalisation_weighs_episodes_equally_whatever_their_length():
+    short, long = [SampledTurn(1, [2], [-0.1])], [SampledTurn(1, [2, 3, 4], [-0.1, -0.2, -0.3])]
+    win, lose = _episode("t", {"a": "passed"}, short, [1, 2]), _episode("t", {"a": "failed"}, long, [1, 2, 3, 4])
+    datums, _ = grpo_stage._datums([win, lose], {id(win): 1.0, id(lose): 0.0}, scale_by_std=False, reference=None, kl_coef=0.0, normalize="episode")
+    # each episode's advantage (±0.5) is spread over its own tokens, then averaged over the 2 episodes
+    assert datums[0].loss_fn_inputs["advantages"].tolist() == pytest.approx([0.5 / 2])
+    assert datums[1].loss_fn_inputs["advantages"].tolist() == pytest.approx([-0.5 / 6] * 3)
+    assert sum(datums[0].loss_fn_inputs["advantages"].tolist()) == pytest.approx(-sum(datums[1].loss_fn_inputs["advantages"].tolist()))
+
+
 def test_constant_groups_and_invalid_episodes_teach_nothing():
     record = [SampledTurn(1, [2], [-0.5])]
     same = [_episode("same", {"a": "passed"}, record, [1, 2]) for _ in range(3)]

@@ -16,7 +16,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from tbexp.build import model_runtime, run_policy
+from tbexp.build import eval_seed, model_runtime, run_policy
 from tbexp.plots import plot_eval
 from tbexp.policies import POLICIES, ModelRuntime
 from tbexp.rollout import Episode
@@ -32,7 +32,7 @@ def run(cfg: Any) -> dict[str, float]:
     out = run_dir()
     if cfg.eval.candidates:
         return _compare_candidates(cfg, out)
-    runtime = model_runtime(cfg, out / "checkpoints") if cfg.policy == "model" else None
+    runtime = model_runtime(cfg, out / "checkpoints", seed=eval_seed(cfg)) if cfg.policy == "model" else None
     metrics = evaluate(cfg, out, runtime)
     write_summary(out, metrics)
     print(f"run directory: {out}")
@@ -43,7 +43,7 @@ def evaluate_checkpoint(cfg: Any, out: Path, checkpoint: str, label: str, quiet:
     """policy=model from `checkpoint` ("" = the base model) on `cfg.tasks`."""
     model_cfg = cfg.copy()
     model_cfg.policy, model_cfg.load_checkpoint = "model", checkpoint
-    return evaluate(model_cfg, out, model_runtime(model_cfg, out / "checkpoints"), label=label, quiet=quiet)
+    return evaluate(model_cfg, out, model_runtime(model_cfg, out / "checkpoints", seed=eval_seed(cfg)), label=label, quiet=quiet)
 
 
 def compare(rows: dict[str, dict[str, float]]) -> str:
@@ -66,7 +66,7 @@ def _compare_candidates(cfg: Any, out: Path) -> dict[str, float]:
         if candidate in POLICY_NAMES:
             policy_cfg = cfg.copy()
             policy_cfg.policy, policy_cfg.load_checkpoint = candidate, ""
-            runtime = model_runtime(policy_cfg, folder / "checkpoints") if candidate == "model" else None
+            runtime = model_runtime(policy_cfg, folder / "checkpoints", seed=eval_seed(cfg)) if candidate == "model" else None
             rows[label] = evaluate(policy_cfg, folder, runtime, label=label, quiet=True)
         else:
             rows[label] = evaluate_checkpoint(cfg, folder, candidate, label=label, quiet=True)

@@ -72,7 +72,7 @@ def _solve_rates(cfg: Any, tasks: list, out: Path) -> dict[str, tuple[float, int
     if cache.exists():
         log.info("filter: solve rates from the cache %s", cache)
         return {name: tuple(v) for name, v in json.loads(cache.read_text()).items()}
-    runtime = model_runtime(cfg, out / "checkpoints") if cfg.policy == "model" else None
+    runtime = model_runtime(cfg, out / "checkpoints", seed=cfg.seed * 7919 + 29) if cfg.policy == "model" else None  # reproducible rates
     episodes = run_policy(cfg, tasks, cfg.task_filter.k, cfg.eval.concurrency, runtime, desc="filter")
     rates = {}
     for task in tasks:

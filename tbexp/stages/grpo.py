@@ -39,7 +39,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from tbexp import trial
-from tbexp.build import make_backend, model_runtime, run_policy, with_overrides
+from tbexp.build import eval_seed, make_backend, model_runtime, run_policy, with_overrides
 from tbexp.preemption import interruptible
 from tbexp.schedule import epoch_batch, learning_rate
 from tbexp.scoring import score_episodes, summarize
@@ -141,12 +141,14 @@ def _step(cfg: Any, backend, reference, tasks: list, step: int) -> dict[str, flo
     rollout_s = time.perf_counter() - clock
 
     rewards = score_episodes(episodes, cfg.reward)
-    datums, counts = _datums(episodes, rewards, g.scale_by_std, reference, g.kl_coef)
+    datums, counts = _datums(episodes, rewards, g.scale_by_std, reference, g.kl_coef, g.normalize)
     clock = time.perf_counter()
     train_metrics: dict[str, float] = {}
-    if datums:
+    lr = learning_rate(g, step)
+    # Rollouts cost far more than updates, so a step may update several times on its samples; the ratio to the
+    # sampler's logprobs (clipped under ppo) keeps the later updates near the policy that sampled.
+    for _ in range(g.updates_per_step if datums else 0):
         fb = backend.forward_backward(datums, g.loss_fn, {"clip_low_threshold": g.clip_low_threshold, "clip_high_threshold": g.clip_high_threshold})
-        lr = learning_rate(g, step)
         opt = backend.optim_step(types.AdamParams(learning_rate=lr, weight_decay=g.weight_decay, grad_clip_norm=g.grad_clip_norm))
         fb, opt = fb.result(), opt.result()
         train_metrics = {"train/loss": fb.loss, "optim/lr": lr, **{f"train/{k}": v for k, v in fb.metrics.items()}, **{f"optim/{k}": v for k, v in opt.items()}}
@@ -176,7 +178,7 @@ def _step(cfg: Any, backend, reference, tasks: list, step: int) -> dict[str, flo
     }
 
 
-def _datums(episodes: list, rewards: dict[int, float], scale_by_std: bool, reference, kl_coef: float) -> tuple[list, dict[str, float]]:
+def _datums(episodes: list, rewards: dict[int, float], scale_by_std: bool, reference, kl_coef: float, normalize: str = "token") -> tuple[list, dict[str, float]]:
     from tinker import types
 
     groups: dict[str, list] = defaultdict(list)
@@ -198,13 +200,15 @@ def _datums(episodes: list, rewards: dict[int, float], scale_by_std: bool, refer
         tokens = ep.policy.tokens
         logprobs, advantages = [0.0] * len(tokens), [0.0] * len(tokens)
         ref = reference.compute_logprobs(types.ModelInput.from_ints(tokens)).result() if reference is not None else None
+        # token: every sampled token of the step weighs the same; episode: every episode does, whatever its length
+        share = n_sampled if normalize == "token" else len(advantaged) * sum(len(turn.tokens) for turn in ep.policy.record)
         for turn in ep.policy.record:
             for i, logp in enumerate(turn.logprobs):
                 at = turn.offset + i
                 logprobs[at] = logp
                 kl = logp - ref[at] if ref is not None else 0.0
                 kl_sum += kl
-                advantages[at] = (advantage - kl_coef * kl) / n_sampled
+                advantages[at] = (advantage - kl_coef * kl) / share
         datums.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={"target_tokens": tokens[1:], "logprobs": logprobs[1:], "advantages": advantages[1:]}))
     counts = {"groups": float(len(groups)), "groups_skipped": float(skipped), "datums": float(len(datums)), "sampled_tokens": float(n_sampled)}
     if reference is not None and n_sampled:
@@ -216,7 +220,9 @@ def _evaluate(cfg: Any, out: Path, backend, state: dict, tracker: Tracker, step:
     from tbexp.stages.eval import evaluate
 
     n_runs = cfg.grpo.eval_n_runs
-    runtime = model_runtime(cfg, Path("."), backend, seed=cfg.seed * 7919 + step)  # seeded: the same weights score the same
+    # Every eval point on the same draws, but not the draws the final rows use: the checkpoint is chosen on one
+    # sample of the held-out episodes and reported on another, so the choice does not flatter the report.
+    runtime = model_runtime(cfg, Path("."), backend, seed=eval_seed(cfg) + 1)
     metrics = evaluate(with_overrides(cfg, **{"eval.n_runs": n_runs}), out / "evals" / f"step-{step:05d}", runtime, label=f"grpo step {step}", quiet=True)
     checkpoint = state["checkpoint"] or backend.save_state(f"step-{step:05d}")
     state["evals"].append({"step": step, "checkpoint": checkpoint, **{k: metrics[k] for k in EVAL_KEYS}})
