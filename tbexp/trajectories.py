@@ -23,6 +23,7 @@ the line number, before any training starts.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +57,7 @@ def read_conversations(path: str | Path) -> list[list[dict[str, str]]]:
 
 
 def write_conversations(path: Path, rows: list[dict[str, Any]]) -> Path:
-    tmp = path.with_suffix(".jsonl.tmp")
+    tmp = path.with_suffix(f".jsonl.{os.getpid()}.tmp")  # two jobs filling one cache must not write into one file
     with tmp.open("w") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
