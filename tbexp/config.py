@@ -80,7 +80,7 @@ class TasksConfig:
     split: str = "heldout"  # builtin: train | heldout
     families: list[str] = field(default_factory=list)  # [] = all
     limit: int = 0  # first N tasks after sorting; 0 = all
-    rl_share: float = 0.0  # share of each family's train tasks kept for RL only: SFT never sees their solutions
+    rl_share: float = 0.0  # builtin: share of each family's train tasks kept for RL only; SFT never sees their solutions
 
 
 @dataclass

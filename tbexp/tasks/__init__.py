@@ -13,7 +13,7 @@ __all__ = ["Task", "TaskError", "load_task", "load_tasks", "load_task_set"]
 def load_task_set(settings: Any, split: str | None = None, part: str | None = None) -> list[Task]:
     """The tasks `settings` names; `split` overrides `settings.split` for the built-in suite.
 
-    `part` divides the train split when `settings.rl_share` > 0: "rl" is that share of each
+    `part` divides the built-in train split when `settings.rl_share` > 0: "rl" is that share of each
     family's tasks (seeded), kept for RL; "sft" is the rest, whose solutions SFT trains on.
     """
     if settings.source == "builtin":
@@ -24,7 +24,7 @@ def load_task_set(settings: Any, split: str | None = None, part: str | None = No
         tasks = load_tasks(root / (split or settings.split))
     else:
         tasks = load_tasks(settings.path)
-    if part and settings.rl_share > 0 and (split or settings.split) == "train":
+    if part and settings.rl_share > 0 and settings.source == "builtin" and (split or settings.split) == "train":
         rl = _rl_part(tasks, settings.rl_share, settings.seed)
         tasks = [t for t in tasks if (t.name in rl) == (part == "rl")]
     if settings.families:
