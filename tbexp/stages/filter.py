@@ -66,6 +66,14 @@ def select(cfg: Any, out: Path) -> dict[str, Any]:
     return {**metrics, "filter/kept_tasks": str(out / "kept_tasks.json")}
 
 
+def select_for_rl(cfg: Any, out: Path, checkpoint: str) -> dict[str, Any]:
+    """`select` as RL needs it: the model from `checkpoint`, sampled at the temperature GRPO rolls out at,
+    since that is the rate that decides whether a group teaches anything."""
+    from tbexp.build import with_overrides
+
+    return select(with_overrides(cfg, policy="model", load_checkpoint=checkpoint, **{"sampling.temperature": cfg.grpo.temperature}), out)
+
+
 def _solve_rates(cfg: Any, tasks: list, out: Path) -> dict[str, tuple[float, int]]:
     """{task: (strict solve rate, valid samples)}, from the cache when the same inputs were sampled before."""
     cache = Path(cfg.tasks.cache_dir).parent / "filter" / f"{_cache_key(cfg, tasks)}.json"

@@ -114,9 +114,8 @@ def _rl_tasks(cfg: Any, out: Path) -> list:
             return candidates
         from tbexp.stages import filter as filter_stage
 
-        # The rates that matter are those at the temperature RL samples at, from the weights RL starts with.
-        filter_cfg = with_overrides(cfg, policy="model", **{"sampling.temperature": cfg.grpo.temperature})
-        cfg = with_overrides(cfg, **{"grpo.tasks_file": filter_stage.select(filter_cfg, out / "filter")["filter/kept_tasks"]})
+        kept = filter_stage.select_for_rl(cfg, out / "filter", cfg.load_checkpoint)  # the weights RL starts from
+        cfg = with_overrides(cfg, **{"grpo.tasks_file": kept["filter/kept_tasks"]})
     path = Path(cfg.grpo.tasks_file)
     if not path.exists():
         raise DataError(f"grpo.tasks_file={path}: no such file (the filter stage writes kept_tasks.json)")

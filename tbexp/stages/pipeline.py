@@ -51,9 +51,7 @@ def run(cfg: Any) -> dict[str, float]:
         done.get("base", lambda: evaluate_checkpoint(cfg, out / "eval_base", cfg.load_checkpoint, label="base", quiet=True))
         done.get("sft_eval", lambda: evaluate_checkpoint(cfg, out / "eval_sft", checkpoint, label="sft", quiet=True))
     if "filter" in parts:
-        # Solve rates at the temperature RL will sample at: that is the rate that decides whether a group teaches.
-        filter_cfg = with_overrides(cfg, policy="model", load_checkpoint=checkpoint, **{"sampling.temperature": cfg.grpo.temperature})
-        kept = done.get("filter", lambda: filter_stage.select(filter_cfg, out / "filter"))
+        kept = done.get("filter", lambda: filter_stage.select_for_rl(cfg, out / "filter", checkpoint))
         cfg = with_overrides(cfg, **{"grpo.tasks_file": kept["filter/kept_tasks"]})
     if "grpo" in parts:
         rl = done.get("grpo", lambda: grpo.train(with_overrides(cfg, load_checkpoint=checkpoint), out / "grpo"))
