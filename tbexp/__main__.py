@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 
 from tbexp.config import ConfigError, check, register
 from tbexp.launchers import assign_local_job_gpus
-from tbexp.tracking import job_run
+from tbexp.tracking import job_run, note_result
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 OBJECTIVE = "eval/reward"  # the number a sweep optimises: held-out reward
@@ -45,6 +45,7 @@ def main(cfg: DictConfig) -> float:
         stage = importlib.import_module(f"tbexp.stages.{cfg.stage.name}")
         with job_run(cfg):  # the job's one W&B / Trackio run, if logger says so
             metrics = stage.run(cfg)
+            note_result(metrics)  # the W&B report reads a sweep's objective from the runs' summaries
     except (ConfigError, TaskError, PolicyError, SandboxError, DockerfileError, DataError, ModelLoadError, RendererError, BackendError) as err:
         print(f"tbexp: {err}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -10,6 +10,11 @@ directory and, for failures, the reason. Nothing needs a server: the study
 comes from its storage (sqlite or journal file, or a PostgreSQL URL), found
 through the `study.yaml` the sweeper leaves in the sweep directory, or given
 with `--storage URL --study NAME`.
+
+With `--wandb` (or WANDB_MODE=online) the same report is also saved as a W&B
+Report over the study's runs (tbexp/report_wandb.py), after report.md is
+written: without the network or an API key that part fails with one line
+saying what to set, and report.md stays.
 """
 
 from __future__ import annotations
@@ -17,12 +22,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import warnings
 from pathlib import Path
 from typing import Any
 
 from tbexp.study import FAIL_REASON_ATTR, JOB_DIR_ATTR, OBJECTIVE_ATTR, POINTER_FILE, PRUNING_METRIC_ATTR, SWEEP_DIR_ATTR, load_study
+
+HELDOUT_REWARD = "heldout/reward"  # GRPO's held-out evaluations during training (tbexp/stages/grpo.py)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,6 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--study", help="the study's name, with --storage")
     parser.add_argument("--out", help="where to write report.md and the plots (default: <sweep dir>/report)")
     parser.add_argument("--top", type=int, default=5, help="held-out curves of this many best trials")
+    online = parser.add_argument_group("W&B Report (also made when WANDB_MODE=online; needs the network and WANDB_API_KEY or `wandb login`)")
+    online.add_argument("--wandb", action="store_true", help="also save the report as a W&B Report over the study's runs and print its URL")
+    online.add_argument("--wandb-project", help="the W&B project of the study's runs (implies --wandb; default: the jobs' logger.project)")
+    online.add_argument("--wandb-entity", help="its team or user (implies --wandb; default: the jobs' logger.entity, else $WANDB_ENTITY, else the account's default)")
     args = parser.parse_args(argv)
     try:
         storage, study_name, sweep_dir = _locate(args)
@@ -41,6 +53,16 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out else Path(study.user_attrs.get(SWEEP_DIR_ATTR) or sweep_dir or ".") / "report"
     path = write_report(study, out, args.top)
     print(f"report: {path}")
+    if not (args.wandb or args.wandb_project or args.wandb_entity or os.environ.get("WANDB_MODE") == "online"):
+        return 0
+    from tbexp.report_wandb import WandbUnavailable, publish  # only here: the reports API takes seconds to import
+
+    try:
+        url = publish(study, args.top, project=args.wandb_project, entity=args.wandb_entity)
+    except WandbUnavailable as err:
+        print(f"tbexp.report: no W&B report ({path} is written): {err}", file=sys.stderr)
+        return 1
+    print(f"W&B report: {url}")
     return 0
 
 
@@ -49,32 +71,47 @@ def write_report(study: Any, out: Path, top: int = 5) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
-    from optuna.trial import TrialState
-
     out.mkdir(parents=True, exist_ok=True)
     trials = study.get_trials(deepcopy=False)
-    complete = [t for t in trials if t.state == TrialState.COMPLETE]
-    objective = study.user_attrs.get(OBJECTIVE_ATTR, "value")
-    maximise = study.direction.name == "MAXIMIZE"
-    best = sorted(complete, key=lambda t: t.value, reverse=maximise)[:top]
+    best = best_trials(study, top)
     plots = {
         "Optimisation history": _optuna_plot(study, out / "history.png", "plot_optimization_history"),
         "Parameter importances (PED-ANOVA)": _optuna_plot(study, out / "importances.png", "plot_param_importances", importance=True),
         "Parallel coordinates": _optuna_plot(study, out / "parallel_coordinates.png", "plot_parallel_coordinate"),
         "Intermediate values reported to the pruner": _optuna_plot(study, out / "intermediate.png", "plot_intermediate_values"),
-        f"Held-out curves of the {len(best)} best trials": _curves(best, out / "curves.png", objective, study.user_attrs.get(PRUNING_METRIC_ATTR, "")),
+        f"Held-out curves of the {len(best)} best trials": _curves(best, out / "curves.png", curve_metrics(study), study.user_attrs.get(OBJECTIVE_ATTR, "value")),
     }
-    counts = {s.name: sum(1 for t in trials if t.state == s) for s in TrialState if any(t.state == s for t in trials)}
-    lines = [f"# Sweep report: study `{study.study_name}`", "", f"Objective: `{objective}`, {'maximised' if maximise else 'minimised'}. Trials: " + ", ".join(f"{n} {k}" for k, n in counts.items()) + ".", ""]
-    if best:
-        b = best[0]
-        lines += [f"**Best: trial {b.number}**, {objective} = {b.value:.4f} with " + ", ".join(f"`{k}={_fmt(v)}`" for k, v in b.params.items()) + f" (`{b.user_attrs.get(JOB_DIR_ATTR, '')}`).", ""]
+    lines = [f"# Sweep report: study `{study.study_name}`", "", *summary_lines(study, trials, best)]
     for title, image in plots.items():
         lines += [f"## {title}", "", f"![{title}]({image.name})" if isinstance(image, Path) else f"_{image}_", ""]
-    lines += ["## Trials", "", *_trial_table(trials)]
+    lines += ["## Trials", "", *trial_table(trials)]
     path = out / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def best_trials(study: Any, top: int) -> list[Any]:
+    """The `top` complete trials, best first."""
+    complete = [t for t in study.get_trials(deepcopy=False) if t.state.name == "COMPLETE"]
+    return sorted(complete, key=lambda t: t.value, reverse=study.direction.name == "MAXIMIZE")[:top]
+
+
+def summary_lines(study: Any, trials: list[Any], best: list[Any]) -> list[str]:
+    """Markdown: the objective, the trials by state and the best trial with its parameters."""
+    from optuna.trial import TrialState
+
+    objective = study.user_attrs.get(OBJECTIVE_ATTR, "value")
+    counts = {s.name: sum(1 for t in trials if t.state == s) for s in TrialState if any(t.state == s for t in trials)}
+    lines = [f"Objective: `{objective}`, {'maximised' if study.direction.name == 'MAXIMIZE' else 'minimised'}. Trials: " + ", ".join(f"{n} {k}" for k, n in counts.items()) + ".", ""]
+    if best:
+        b = best[0]
+        lines += [f"**Best: trial {b.number}**, {objective} = {b.value:.4f} with " + ", ".join(f"`{k}={_fmt(v)}`" for k, v in b.params.items()) + f" (`{b.user_attrs.get(JOB_DIR_ATTR, '')}`).", ""]
+    return lines
+
+
+def curve_metrics(study: Any) -> list[str]:
+    """What a held-out curve can show, most wanted first: the objective, the pruner's metric, GRPO's held-out reward."""
+    return list(dict.fromkeys(m for m in (study.user_attrs.get(OBJECTIVE_ATTR, "value"), study.user_attrs.get(PRUNING_METRIC_ATTR, ""), HELDOUT_REWARD) if m))
 
 
 def _locate(args: argparse.Namespace) -> tuple[str, str, Path | None]:
@@ -118,16 +155,16 @@ def _optuna_plot(study: Any, path: Path, name: str, importance: bool = False) ->
     return path
 
 
-def _curves(best: list[Any], path: Path, objective: str, pruning_metric: str) -> Path | str:
-    """The objective over steps from each best trial's metrics.jsonl; the pruning metric if none logs the objective over steps."""
+def _curves(best: list[Any], path: Path, metrics: list[str], objective: str) -> Path | str:
+    """The first of `metrics` that a best trial's metrics.jsonl holds over steps, for each best trial."""
     import matplotlib.pyplot as plt
 
-    for metric in dict.fromkeys(m for m in (objective, pruning_metric) if m):
-        series = {t.number: _series(t.user_attrs.get(JOB_DIR_ATTR, ""), metric) for t in best}
+    for metric in metrics:
+        series = {t.number: metric_series(t.user_attrs.get(JOB_DIR_ATTR, ""), metric) for t in best}
         if any(len(points) > 1 for points in series.values()):
             break
     else:
-        return f"not drawn: no best trial's metrics.jsonl has {objective!r} or {pruning_metric!r} at more than one step"
+        return f"not drawn: no best trial's metrics.jsonl has any of {metrics} at more than one step"
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for t in best:
         points = series[t.number]
@@ -144,7 +181,8 @@ def _curves(best: list[Any], path: Path, objective: str, pruning_metric: str) ->
     return path
 
 
-def _series(job_dir: str, metric: str) -> list[tuple[float, float]]:
+def metric_series(job_dir: str, metric: str) -> list[tuple[float, float]]:
+    """(step, value) of `metric` in a job directory's metrics.jsonl; none if it has no such file."""
     path = Path(job_dir) / "metrics.jsonl"
     if not job_dir or not path.is_file():
         return []
@@ -160,7 +198,8 @@ def _series(job_dir: str, metric: str) -> list[tuple[float, float]]:
     return points
 
 
-def _trial_table(trials: list[Any]) -> list[str]:
+def trial_table(trials: list[Any]) -> list[str]:
+    """Markdown: one row per trial with its parameters, duration and job directory or why it failed."""
     names = list(dict.fromkeys(k for t in trials for k in t.params))
     rows = ["| trial | state | value | " + " | ".join(f"`{n}`" for n in names) + " | seconds | job directory / why it failed |", "|---" * (len(names) + 5) + "|"]
     for t in trials:
@@ -181,4 +220,9 @@ def _fmt(value: Any) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code:  # W&B failed: after a request that timed out, wandb 0.31's exit hook can wait minutes on its service
+        sys.stdout.flush()  # process (a race in its teardown, seen here once in 14 runs); report.md is written and
+        sys.stderr.flush()  # nothing of ours needs exit hooks, so leave at once (its service exits with us)
+        os._exit(code)
+    sys.exit(code)

@@ -117,6 +117,12 @@ def job_run(cfg: Any) -> Iterator[None]:
         run.finish()
 
 
+def note_result(metrics: dict[str, Any]) -> None:
+    """The job's returned numbers into its run's summary under their own names, where a sweep's objective is one."""
+    if _active is not None:
+        _active.note({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
+
+
 def redact(value: Any) -> Any:
     """A copy of a config tree without secrets: values of secret-named keys, and passwords in URLs.
 

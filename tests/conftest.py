@@ -17,6 +17,8 @@ REPO = Path(__file__).resolve().parent.parent
 CONF = REPO / "conf"
 
 register()
+# W&B's server cannot be reached from the tests: a user's WANDB_MODE=online must not send their runs or reports there.
+os.environ.pop("WANDB_MODE", None)
 
 try:  # the Docker engine fixture lives beside the Docker tests
     from tests.docker_service import docker_engine  # noqa: F401

@@ -104,3 +104,19 @@ def _wandb_records(path: Path):
             record.ParseFromString(pending)
             pending = b""
             yield record
+
+
+def test_note_result_puts_the_jobs_numbers_in_its_run_summary(monkeypatch):
+    """The W&B sweep report reads each run's objective from its summary; the pipeline logs its rows under other names."""
+    from tbexp import tracking
+
+    noted = []
+
+    class Run:
+        def note(self, values):
+            noted.append(values)
+
+    tracking.note_result({"eval/reward": 0.5})  # no run: nothing to do, no error
+    monkeypatch.setattr(tracking, "_active", Run())
+    tracking.note_result({"eval/reward": 0.5, "grpo/steps_run": 12, "grpo/checkpoint": "/x/step-00012"})
+    assert noted == [{"eval/reward": 0.5, "grpo/steps_run": 12}]
