@@ -38,13 +38,7 @@ def load_task_set(settings: Any, split: str | None = None, part: str | None = No
 
 
 def _rl_part(tasks: list[Task], share: float, seed: int) -> set[str]:
-    """`share` of each family's tasks, chosen by a seeded hash of the name: stable as the suite grows.
-
-    A built-in held-out instance is a new combination of names seen in train (split.py). The tasks that
-    first bring in each name stay on the SFT side, so that still holds for what SFT sees, and the RL
-    tasks are of the held-out kind too: a name only RL tasks carried would be one the model never saw,
-    which a task then fails whatever RL does. With too few tasks left for the share, RL gets fewer.
-    """
+    """`share` of each family's tasks, chosen by a seeded hash of the name: stable as the suite grows."""
     import zlib
     from collections import defaultdict
 
@@ -54,19 +48,5 @@ def _rl_part(tasks: list[Task], share: float, seed: int) -> set[str]:
     chosen: set[str] = set()
     for members in families.values():
         members.sort(key=lambda t: zlib.crc32(f"{seed}/{t.name}".encode()))
-        covering = _covering(members)
-        spare = [t for t in members if t.name not in covering]
-        chosen.update(t.name for t in spare[: round(share * len(members))])
+        chosen.update(t.name for t in members[: round(share * len(members))])
     return chosen
-
-
-def _covering(members: list[Task]) -> set[str]:
-    """Names of the tasks that, in order, each bring in a (pool, entry) of their combination not seen before."""
-    seen: set[tuple[str, str]] = set()
-    names: set[str] = set()
-    for t in members:
-        entries = {(pool, str(entry)) for pool, entry in t.metadata.get("combo", {}).items()}
-        if not entries <= seen:
-            names.add(t.name)
-            seen |= entries
-    return names
