@@ -10,13 +10,15 @@ launcher runs the job inside the calling process and keeps per-job state in
 process-wide singletons (HydraConfig, logging, the working directory), so two
 jobs at once would trample each other; and a job that crashes the
 interpreter or is killed would take the sweeper with it. Its calls therefore
-run in a spawned child process each (`IsolatedJob`), which is what the
-joblib launcher does too: the child restores Hydra's singletons, runs the
-basic launcher for the one job and sends back the result. The child is
-killed with the sweeper (PR_SET_PDEATHSIG) and after `trial_timeout_s`, with
-everything it started (it leads its own process group). Its output goes to
-`output.log` in the job directory, so jobs running side by side do not
-interleave on the terminal.
+run in a child process each (`IsolatedJob`), as the joblib launcher does:
+the child restores Hydra's singletons, runs the basic launcher for the one
+job and sends back the result. The child is killed with the sweeper
+(PR_SET_PDEATHSIG) and after `trial_timeout_s`, with everything it started
+(it leads its own process group). Its output goes to `output.log` in the job
+directory, so jobs running side by side do not interleave on the terminal.
+
+The children are forked from a fork server that has already imported what
+every job imports (`_job_server`); should it fail, they are spawned.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from . import _job_server
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +66,7 @@ class IsolatedJob:
 
     live: set["IsolatedJob"] = set()  # for killing them all when the sweep is stopped
     _lock = threading.Lock()
+    forked = True  # False once the fork server has failed: the sweep's later jobs are spawned
 
     def __init__(self, payload: dict[str, Any], log_path: Path, timeout_s: float):
         self.payload = payload
@@ -70,15 +75,13 @@ class IsolatedJob:
         self.process: Any = None
 
     def run(self) -> Outcome:
-        context = multiprocessing.get_context("spawn")  # fork would copy the sweeper's threads and open database connections
-        reader, writer = context.Pipe(duplex=False)
+        reader, writer = multiprocessing.Pipe(duplex=False)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         import cloudpickle  # Hydra's singleton state holds OmegaConf resolvers defined in functions, which plain pickle refuses
 
-        payload = cloudpickle.dumps(self.payload)
-        self.process = context.Process(target=_child_main, args=(payload, writer, os.getpid(), str(self.log_path)), daemon=False)
+        args = (cloudpickle.dumps(self.payload), writer, os.getpid(), str(self.log_path))
         with IsolatedJob._lock:
-            self.process.start()
+            self.process = self._start(args)
             IsolatedJob.live.add(self)
         writer.close()
         try:
@@ -86,6 +89,20 @@ class IsolatedJob:
         finally:
             with IsolatedJob._lock:
                 IsolatedJob.live.discard(self)
+
+    @staticmethod
+    def _start(args: tuple[Any, ...]) -> Any:
+        if IsolatedJob.forked:
+            process = multiprocessing.get_context("forkserver").Process(target=_child_main, args=args, daemon=False)
+            try:
+                process.start()
+                return process
+            except (OSError, EOFError) as err:  # the server died, most likely importing the app's module (its traceback is above)
+                log.warning("the jobs' fork server failed (%s: %s); spawning each job instead, about a second more each", type(err).__name__, err)
+                IsolatedJob.forked = False
+        process = multiprocessing.get_context("spawn").Process(target=_child_main, args=args, daemon=False)
+        process.start()
+        return process
 
     def kill(self) -> None:
         """SIGTERM to the job's process group, SIGKILL after a grace period."""
@@ -132,11 +149,11 @@ def kill_live_jobs() -> None:
 
 
 def task_reference(task_function: Any) -> tuple[str, str]:
-    """(module, qualname) under which a spawned child can import the task function.
+    """(module, qualname) under which a job process can import the task function.
 
     `python -m tbexp` runs `tbexp/__main__.py` as `__main__`; the child imports
     it under its real name (`tbexp.__main__`, where `main()` is not called).
-    A script's `__main__` is re-run by the spawn machinery as the child's
+    A script's `__main__` is re-run by multiprocessing as the child's
     `__main__` (under its `if __name__ == "__main__"` guard), so it stays
     `__main__`.
     """
@@ -148,9 +165,11 @@ def task_reference(task_function: Any) -> tuple[str, str]:
     return module, task_function.__qualname__
 
 
-def _child_main(payload_bytes: bytes, conn: Any, parent_pid: int, log_path: str) -> None:
+def _child_main(payload_bytes: bytes, conn: Any, sweeper_pid: int, log_path: str) -> None:
     os.setsid()  # a process group of its own: a timeout kills the job and whatever it started
-    _die_with_parent(parent_pid)
+    _die_with_sweeper(sweeper_pid)
+    if "numpy.random" in sys.modules:  # forked jobs would share the server's draws; `random` reseeds itself after a fork, numpy does not
+        sys.modules["numpy.random"].seed()
     signal.signal(signal.SIGTERM, lambda *_: os.killpg(0, signal.SIGKILL))
     out = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(out, 1)
@@ -163,6 +182,8 @@ def _child_main(payload_bytes: bytes, conn: Any, parent_pid: int, log_path: str)
     payload = pickle.loads(payload_bytes)
     task_function = _import_task(*payload["task"])  # first: importing it registers the app's schemas and patches
     Singleton.set_state(payload["singletons"])
+    loader = payload["hydra_context"].config_loader
+    loader.load_sweep_config = lambda *_: payload["job_config"]  # the sweeper composed it (for the job's directory); again took half a do-nothing job's time
     launcher = BasicLauncher()
     launcher.setup(hydra_context=payload["hydra_context"], task_function=task_function, config=payload["config"])
     try:
@@ -212,21 +233,34 @@ def _picklable(value: Any) -> Any:
         return repr(value)
 
 
-def _die_with_parent(parent_pid: int) -> None:
+def _die_with_sweeper(sweeper_pid: int) -> None:
     """Ask Linux to kill this process when the sweeper dies, even by SIGKILL (no-op elsewhere).
+
+    The request is for the death of this process's parent: the sweeper for a
+    spawned job, the fork server for a forked one, which quits with the
+    sweeper once the job has let go of it (`_job_server.release`).
 
     SIGKILL rather than SIGTERM: a Python handler runs only between bytecodes,
     and a job blocked in C (a database lock, a long tensor op) would outlive
     the sweeper by that long. What the job started is left to its own
     clean-up (tbexp's sandboxes die with their parent or are swept up later).
     """
+    _job_server.release()
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         return
-    if os.getppid() != parent_pid:  # the sweeper died before the request took effect
+    parent = os.getppid()
+    if sweeper_pid not in (parent, _parent_of(parent)):  # the sweeper or the server died before the request took effect
         os.killpg(0, signal.SIGKILL)
+
+
+def _parent_of(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+    except (OSError, ValueError, IndexError):
+        return -1
 
 
 def _signal_group(pid: int, sig: int) -> None:

@@ -1,8 +1,8 @@
 """One sweep: open or resume the study, fail its orphans, keep `n_jobs` trials running until the budget is spent.
 
-ask → suggest the values → compose the job's config (which also gives its
-directory; a config that does not compose stops the sweep, since every later
-trial would fail the same way) → claim the trial → launch the job on a thread
+ask → claim the trial → suggest the values → compose the job's config (which
+also gives its directory; a config that does not compose stops the sweep,
+since every later trial would fail the same way) → launch the job on a thread
 → when any job ends: tell. COMPLETE with the job's value; FAIL when the job
 raised, returned no finite number, was killed or timed out (the reason is
 kept in the trial's `fail_reason`); PRUNED when the job pruned itself through
@@ -29,7 +29,7 @@ from omegaconf import OmegaConf, open_dict
 
 from tbexp.study import FAIL_REASON_ATTR, INTERRUPTED_ATTR, JOB_DIR_ATTR, POINTER_FILE, PRUNED_AT_ATTR, RETRY_OF_ATTR, absolute_storage
 
-from . import _recovery, _space
+from . import _job_server, _recovery, _space
 from ._study_open import SweepError, open_study
 from ._jobs import IsolatedJob, Outcome, kill_live_jobs, launch_in_thread, task_reference
 
@@ -81,6 +81,8 @@ class _Sweep:
             self._queue_grid()
         log.info("study %r in %s: %d trials so far%s; budget %d, %d at a time; jobs in %s", self.s.study_name, self.storage_url, len(self.study.get_trials(deepcopy=False)), f" ({orphans} orphaned, re-queued)" if orphans else "", self.s.n_trials, self.s.n_jobs, self.sweep_dir)
         last_beat = last_orphan_check = time.monotonic()
+        if self.isolated:
+            _job_server.start(task_reference(self.sweeper.task_function)[0])
         try:
             while True:
                 while len(self.running) < self.s.n_jobs and self._may_start():
@@ -102,6 +104,8 @@ class _Sweep:
         except BaseException as stop:  # Ctrl-C, or a config that does not compose: leave no trial RUNNING
             self._interrupt_running(f"the sweep stopped ({type(stop).__name__})")
             raise
+        finally:
+            _job_server.stop()
         return self._write_results()
 
     # --- one trial -------------------------------------------------------------------------------
@@ -119,21 +123,22 @@ class _Sweep:
 
     def _start(self) -> None:
         trial = self.study.ask()
+        _recovery.claim(self.study, trial._trial_id)  # at once: a killed sweeper's unclaimed trial would wait stale_after_s to be failed
         values = self.space.suggest(trial)
         job_num = self.offset + trial.number
         overrides = self.arguments + _space.overrides(values) + self._trial_overrides(trial.number)
-        job_dir = self._job_dir(overrides, job_num, trial)
+        job_config = self._job_config(overrides, job_num, trial)
+        job_dir = (Path(str(job_config.hydra.sweep.dir)) / str(job_config.hydra.sweep.subdir)).absolute()
         storage = self.study._storage
         if job_dir.is_dir() and any(job_dir.iterdir()):
             self._fail(_Running(trial._trial_id, trial.number, job_num, job_dir, values), f"job directory {job_dir} already holds files; not overwriting it")
             return
         storage.set_trial_user_attr(trial._trial_id, JOB_DIR_ATTR, str(job_dir))
-        _recovery.claim(self.study, trial._trial_id)
         record = _Running(trial._trial_id, trial.number, job_num, job_dir, values)
         self.running[record.trial_id] = record
         retry = trial.user_attrs.get(RETRY_OF_ATTR)
         log.info("trial %d (job %d%s) started: %s", trial.number, job_num, f", retry of trial {retry}" if retry is not None else "", _describe(values))
-        payload = self._payload(overrides, job_num) if self.isolated else None
+        payload = self._payload(overrides, job_num, job_config) if self.isolated else None
         threading.Thread(target=self._run_job, args=(record, overrides, payload), name=f"trial-{trial.number}", daemon=True).start()
 
     def _run_job(self, record: _Running, overrides: list[str], payload: dict[str, Any] | None) -> None:
@@ -203,8 +208,8 @@ class _Sweep:
         fields = {"number": number, "study": self.s.study_name, "storage": self.storage_url, "objective": self.s.objective.metric, "pruning_metric": self.pruning_metric}
         return [f"{key}.{name}={_space.override_value(value)}" for name, value in fields.items()]
 
-    def _job_dir(self, overrides: list[str], job_num: int, trial: Any) -> Path:
-        """Compose the job's config as its launcher will, for its directory; a failure stops the sweep."""
+    def _job_config(self, overrides: list[str], job_num: int, trial: Any) -> Any:
+        """Compose the job's config as its launcher will (for its directory); a failure stops the sweep."""
         try:
             cfg = self.sweeper.hydra_context.config_loader.load_sweep_config(self.sweeper.config, list(overrides))
         except Exception as err:
@@ -218,12 +223,12 @@ class _Sweep:
         with open_dict(cfg):
             cfg.hydra.job.num = job_num
             cfg.hydra.job.id = job_num
-        return (Path(str(cfg.hydra.sweep.dir)) / str(cfg.hydra.sweep.subdir)).absolute()
+        return cfg
 
-    def _payload(self, overrides: list[str], job_num: int) -> dict[str, Any]:
+    def _payload(self, overrides: list[str], job_num: int, job_config: Any) -> dict[str, Any]:
         from hydra.core.singleton import Singleton
 
-        return {"task": task_reference(self.sweeper.task_function), "singletons": Singleton.get_state(), "hydra_context": self.sweeper.hydra_context, "config": self.sweeper.config, "overrides": overrides, "job_num": job_num}
+        return {"task": task_reference(self.sweeper.task_function), "singletons": Singleton.get_state(), "hydra_context": self.sweeper.hydra_context, "config": self.sweeper.config, "overrides": overrides, "job_num": job_num, "job_config": job_config}
 
     def _write_results(self) -> float | None:
         from optuna.trial import TrialState
