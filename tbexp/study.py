@@ -93,10 +93,12 @@ def make_pruner(settings: dict[str, Any]) -> Any:
         return optuna.pruners.NopPruner()
     if name == "median":
         return optuna.pruners.MedianPruner(n_startup_trials=settings["n_startup_trials"], n_warmup_steps=settings["n_warmup_steps"], interval_steps=settings["interval_steps"])
+    if name == "successive_halving":
+        return optuna.pruners.SuccessiveHalvingPruner(min_resource=settings["min_resource"], reduction_factor=settings["reduction_factor"])
     if name == "hyperband":
         max_resource = settings["max_resource"] or "auto"
         return optuna.pruners.HyperbandPruner(min_resource=settings["min_resource"], max_resource=max_resource, reduction_factor=settings["reduction_factor"])
-    raise ValueError(f"pruner.name={name!r}: choose none, median or hyperband")
+    raise ValueError(f"pruner.name={name!r}: choose none, median, successive_halving or hyperband")
 
 
 def study_pruner(study: Any) -> Any:

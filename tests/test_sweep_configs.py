@@ -52,6 +52,42 @@ def test_grpo_sweep_samples_the_upper_solve_rate_bound_above_the_lower():
     assert {"grpo.learning_rate", "model.lora_rank", "grpo.group_size", "task_filter.lower", "task_filter.upper"} == set(space.params)
 
 
+def test_grpo_sweep_prunes_at_the_rungs_and_never_at_the_last_eval_of_the_default_pipeline():
+    import random
+
+    import optuna
+
+    from tbexp.study import make_pruner
+
+    cfg = compose_with_hydra("+sweep=grpo_optuna")
+    pruner = make_pruner(OmegaConf.to_container(cfg.hydra.sweeper.pruner))
+    assert isinstance(pruner, optuna.pruners.SuccessiveHalvingPruner)
+    evals = [*range(0, cfg.grpo.steps, cfg.grpo.eval_every), cfg.grpo.steps]  # GRPO's held-out evals: 0, 4, 8, 12
+    study = optuna.create_study(direction="maximize", pruner=pruner)
+    rng, pruned_at = random.Random(0), []
+    for _ in range(16):
+        trial, quality = study.ask(), rng.random()
+        for step in evals:
+            trial.report(quality * step, step)
+            if trial.should_prune():
+                pruned_at.append(step)
+                study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+                break
+        else:
+            study.tell(trial, quality)
+    assert set(pruned_at) == {4, 8}, pruned_at  # the rungs (min_resource x 2^k), and not the last eval at 12
+    assert len(study.get_trials(states=[optuna.trial.TrialState.COMPLETE])) >= 2
+
+
+def test_successive_halving_is_built_from_its_fields_and_a_misspelt_pruner_is_named():
+    from tbexp.study import make_pruner
+
+    pruner = make_pruner({"name": "successive_halving", "min_resource": 3, "reduction_factor": 4})
+    assert (pruner._min_resource, pruner._reduction_factor) == (3, 4)
+    with pytest.raises(ValueError, match="successive_halving"):
+        make_pruner({"name": "succesive_halving"})
+
+
 def test_smoke_sweep_prunes_on_sft_held_out_nll_and_maximises_held_out_reward():
     cfg = compose_with_hydra("+sweep=smoke")
     s = cfg.hydra.sweeper

@@ -47,14 +47,14 @@ class SamplerConf:
 
 @dataclass
 class PrunerConf:
-    name: str = "none"  # none | median | hyperband
+    name: str = "none"  # none | median | successive_halving | hyperband
     metric: str = ""  # the intermediate metric jobs report ("eval/nll" in SFT, "eval/reward" in GRPO); "" = objective.metric
     n_startup_trials: int = 5  # median: finished trials before any is pruned
     n_warmup_steps: int = 0  # median: no pruning before this step
     interval_steps: int = 1  # median: check every this many steps
-    min_resource: int = 1  # hyperband: steps every trial gets
+    min_resource: int = 1  # successive_halving, hyperband: steps every trial gets (the first rung)
     max_resource: int = 0  # hyperband: steps of a full trial; 0 = Optuna's "auto" (the first finished trials' length)
-    reduction_factor: int = 3  # hyperband
+    reduction_factor: int = 3  # successive_halving, hyperband: at each rung (min_resource x factor^k steps) 1 trial in this many goes on
 
 
 @dataclass
