@@ -73,7 +73,7 @@ def write_report(study: Any, out: Path, top: int = 5) -> Path:
     matplotlib.use("Agg")
     out.mkdir(parents=True, exist_ok=True)
     trials = study.get_trials(deepcopy=False)
-    best = best_trials(study, top)
+    best = best_trials(study, trials, top)
     plots = {
         "Optimisation history": _optuna_plot(study, out / "history.png", "plot_optimization_history"),
         "Parameter importances (PED-ANOVA)": _optuna_plot(study, out / "importances.png", "plot_param_importances", importance=True),
@@ -90,9 +90,9 @@ def write_report(study: Any, out: Path, top: int = 5) -> Path:
     return path
 
 
-def best_trials(study: Any, top: int) -> list[Any]:
-    """The `top` complete trials, best first."""
-    complete = [t for t in study.get_trials(deepcopy=False) if t.state.name == "COMPLETE"]
+def best_trials(study: Any, trials: list[Any], top: int) -> list[Any]:
+    """The `top` complete ones of the study's `trials`, best first."""
+    complete = [t for t in trials if t.state.name == "COMPLETE"]
     return sorted(complete, key=lambda t: t.value, reverse=study.direction.name == "MAXIMIZE")[:top]
 
 

@@ -30,6 +30,7 @@ from typing import Any
 
 from tbexp.report import best_trials, curve_metrics, metric_series, summary_lines, trial_table
 from tbexp.study import JOB_DIR_ATTR, OBJECTIVE_ATTR
+from tbexp.tracking import run_name
 
 
 class WandbUnavailable(Exception):
@@ -56,7 +57,7 @@ def build_report(study: Any, top: int, project: str, entity: str, group: str) ->
     """The W&B Report object, not yet saved (nothing here touches the network)."""
     wr, expr = _reports_api()
     trials = study.get_trials(deepcopy=False)
-    best = best_trials(study, top)
+    best = best_trials(study, trials, top)
     objective = study.user_attrs.get(OBJECTIVE_ATTR, "value")
     order = [wr.OrderBy(wr.SummaryMetric(objective), ascending=study.direction.name != "MAXIMIZE")]  # best first in the runs table
     in_study = expr.Metric("Group") == group
@@ -73,7 +74,7 @@ def build_report(study: Any, top: int, project: str, entity: str, group: str) ->
             *_line_plots(wr, metrics),
         ]),
     ]
-    names = [_run_name(t.user_attrs[JOB_DIR_ATTR]) for t in best if t.user_attrs.get(JOB_DIR_ATTR)]
+    names = [run_name(t.user_attrs[JOB_DIR_ATTR]) for t in best if t.user_attrs.get(JOB_DIR_ATTR)]
     if names:
         best_runs = wr.Runset(entity=entity, project=project, name=f"best {len(names)} trials", filters=expr.And(in_study, expr.Metric("Name").isin(names)), order=order)
         blocks += [wr.H2(text=f"Held-out curves of the {len(names)} best trials"), wr.PanelGrid(runsets=[best_runs], panels=_line_plots(wr, metrics))]
@@ -92,12 +93,6 @@ def _curve_metrics(study: Any, best: list[Any]) -> list[str]:
 def _line_plots(wr: Any, metrics: list[str]) -> list[Any]:
     # x = tracking.py's `step` metric: W&B's own _step counts log calls, and a job logs several step series.
     return [wr.LinePlot(title=f"{m} over steps", x="step", y=[m]) for m in metrics]
-
-
-def _run_name(job_dir: str) -> str:
-    """The W&B run name tracking.py gives a job's run: its directory's parent and own name."""
-    path = Path(job_dir)
-    return f"{path.parent.name}/{path.name}"
 
 
 def _job_logger(study: Any) -> dict[str, Any]:

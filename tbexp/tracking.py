@@ -165,9 +165,15 @@ def _group(cfg: Any) -> str:
     return experiment or cfg.stage.name
 
 
+def run_name(run_dir: str | Path) -> str:
+    """The tracker run's name for a job directory: its parent's and its own name (2026-11-29/12-00-00, or 12-00-00/3 in a sweep)."""
+    run_dir = Path(run_dir).resolve()
+    return f"{run_dir.parent.name}/{run_dir.name}"
+
+
 def _open(settings: Any, run_dir: Path, group: str | None = None, job_type: str | None = None, config: dict | None = None) -> _Run:
     run_dir = Path(run_dir).resolve()
-    name = f"{run_dir.parent.name}/{run_dir.name}"  # e.g. 2026-11-29/12-00-00, or 12-00-00/3 in a sweep
+    name = run_name(run_dir)
     run_id = hashlib.sha1(str(run_dir).encode()).hexdigest()[:16]  # same directory, same run: a requeued job continues it
     backend = _Wandb if settings.name == "wandb" else _Trackio
     return backend(settings, run_dir, name, run_id, group, job_type, config or {})

@@ -13,16 +13,12 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from optuna.trial import TrialState
 
+from hydra_plugins.tbexp_optuna_sweeper._jobs import _parent_of as parent_of
 from tests.conftest import REPO
 from tests.test_sweeper import APP, gone, load, sweep
-
-
-def parent_of(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
 
 
 def test_forked_jobs_die_with_a_killed_sweeper(tmp_path):
