@@ -168,6 +168,7 @@ class GRPOConfig:
     clip_low_threshold: float = 0.8  # ppo: ratio bounds
     clip_high_threshold: float = 1.2
     scale_by_std: bool = False  # advantage = (reward - group mean) / group std
+    negative_weight: float = 1.0  # scales below-mean advantages; 1 = plain GRPO, 0 = learn from above-mean episodes only
     updates_per_step: int = 1  # optimizer steps on each step's samples (use ppo for more than 1)
     normalize: str = "token"  # token: loss = mean over the step's sampled tokens | episode: mean over episodes of their token means
     kl_coef: float = 0.0  # penalty on log(pi/pi_start) of the sampled tokens; 0 = off
@@ -328,6 +329,8 @@ def check(cfg: Any) -> None:
         raise ConfigError(f"grpo.clip_low_threshold={g.clip_low_threshold}, grpo.clip_high_threshold={g.clip_high_threshold}: need low < 1 < high")
     if g.normalize not in ("token", "episode"):
         raise ConfigError(f"grpo.normalize={g.normalize!r}: choose token or episode")
+    if not 0.0 <= g.negative_weight <= 1.0:
+        raise ConfigError(f"grpo.negative_weight={g.negative_weight}: must lie in [0, 1] (0 keeps only the above-mean episodes)")
     if g.lr_schedule not in ("cosine", "linear", "constant"):
         raise ConfigError(f"grpo.lr_schedule={g.lr_schedule!r}: choose cosine, linear or constant")
     unknown = [s for s in cfg.pipeline.stages if s not in ("collect", "sft", "filter", "grpo", "eval")]

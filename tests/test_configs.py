@@ -87,6 +87,7 @@ def test_wrong_type_is_refused():
         (["grpo.group_size=1"], "grpo.group_size"),
         (["grpo.loss_fn=reinforce"], "grpo.loss_fn"),
         (["grpo.clip_low_threshold=1.1"], "need low < 1 < high"),
+        (["grpo.negative_weight=-0.5"], "grpo.negative_weight"),
         (["pipeline.stages=[collect,sft,rlhf]"], "pipeline.stages"),
     ],
 )

@@ -47,6 +47,17 @@ def test_episode_normalisation_weighs_episodes_equally_whatever_their_length():
     assert sum(datums[0].loss_fn_inputs["advantages"].tolist()) == pytest.approx(-sum(datums[1].loss_fn_inputs["advantages"].tolist()))
 
 
+def test_negative_weight_scales_only_the_below_mean_advantages():
+    record = [SampledTurn(1, [2], [-0.1])]
+    win, lose = _episode("t", {"a": "passed"}, record, [1, 2]), _episode("t", {"a": "failed"}, record, [1, 2])
+    rewards = {id(win): 1.0, id(lose): 0.0}
+    for weight in (0.25, 0.0):
+        datums, _ = grpo_stage._datums([win, lose], rewards, scale_by_std=False, reference=None, kl_coef=0.0, negative_weight=weight)
+        # the winner keeps +0.5 over the step's 2 sampled tokens; the loser's -0.5 is scaled by the weight
+        assert datums[0].loss_fn_inputs["advantages"].tolist() == pytest.approx([0.5 / 2])
+        assert datums[1].loss_fn_inputs["advantages"].tolist() == pytest.approx([-0.5 * weight / 2])
+
+
 def test_constant_groups_and_invalid_episodes_teach_nothing():
     record = [SampledTurn(1, [2], [-0.5])]
     same = [_episode("same", {"a": "passed"}, record, [1, 2]) for _ in range(3)]

@@ -4,7 +4,8 @@ resume or start (weights of `load_checkpoint`, or the base model) → held-out
 eval of the start (step 0) → each step: `groups_per_step` RL tasks (epoch-wise
 shuffles, a function of the step), `group_size` episodes each at
 `grpo.temperature` in fresh sandboxes → rewards per group → advantage =
-reward − group mean (÷ group std with `scale_by_std`); groups whose rewards
+reward − group mean (÷ group std with `scale_by_std`; below-mean advantages
+× `negative_weight`, 1 = plain GRPO); groups whose rewards
 are all equal teach nothing and are skipped; invalid episodes (broken
 sandbox or verifier) are dropped, never scored 0 → one datum per episode:
 the episode's tokens exactly as sampled, the sampler's logprobs and the
@@ -140,7 +141,7 @@ def _step(cfg: Any, backend, reference, tasks: list, step: int) -> dict[str, flo
     rollout_s = time.perf_counter() - clock
 
     rewards = score_episodes(episodes, cfg.reward)
-    datums, counts = _datums(episodes, rewards, g.scale_by_std, reference, g.kl_coef, g.normalize)
+    datums, counts = _datums(episodes, rewards, g.scale_by_std, reference, g.kl_coef, g.normalize, g.negative_weight)
     clock = time.perf_counter()
     train_metrics: dict[str, float] = {}
     lr = learning_rate(g, step)
@@ -177,7 +178,7 @@ def _step(cfg: Any, backend, reference, tasks: list, step: int) -> dict[str, flo
     }
 
 
-def _datums(episodes: list, rewards: dict[int, float], scale_by_std: bool, reference, kl_coef: float, normalize: str = "token") -> tuple[list, dict[str, float]]:
+def _datums(episodes: list, rewards: dict[int, float], scale_by_std: bool, reference, kl_coef: float, normalize: str = "token", negative_weight: float = 1.0) -> tuple[list, dict[str, float]]:
     from tinker import types
 
     groups: dict[str, list] = defaultdict(list)
@@ -192,7 +193,7 @@ def _datums(episodes: list, rewards: dict[int, float], scale_by_std: bool, refer
             continue
         mean = statistics.fmean(scores)
         scale = (statistics.pstdev(scores) + 1e-6) if scale_by_std else 1.0
-        advantaged += [(ep, (s - mean) / scale) for ep, s in zip(group, scores)]
+        advantaged += [(ep, (s - mean) / scale * (negative_weight if s < mean else 1.0)) for ep, s in zip(group, scores)]
     n_sampled = sum(len(turn.tokens) for ep, _ in advantaged for turn in ep.policy.record)
     datums, kl_sum = [], 0.0
     for ep, advantage in advantaged:
