@@ -13,13 +13,16 @@ from typing import Any
 from tbexp.backends.base import TrainingBackend
 
 
-def make_backend(cfg: Any, save_dir: Path) -> TrainingBackend:
-    """The backend `cfg.backend` names, holding `cfg.model`, with checkpoints under `save_dir`."""
+def make_backend(cfg: Any, save_dir: Path, logit_scale_lr_factor: float = 0.0) -> TrainingBackend:
+    """The backend `cfg.backend` names, holding `cfg.model`, with checkpoints under `save_dir`.
+
+    `logit_scale_lr_factor`: how fast `model.logit_scale` trains, relative to the stage's lr (0: it stays put).
+    """
     m = cfg.model
     if cfg.backend.name == "tinker":
         from tbexp.backends.tinker_backend import TinkerBackend
 
-        return TinkerBackend(m.path or m.name, lora_rank=m.lora_rank, lora_dropout=m.lora_dropout, lora_targets=list(m.lora_targets), seed=cfg.seed, base_url=cfg.backend.base_url)
+        return TinkerBackend(m.path or m.name, lora_rank=m.lora_rank, lora_dropout=m.lora_dropout, lora_targets=list(m.lora_targets), logit_scale=m.logit_scale, seed=cfg.seed, base_url=cfg.backend.base_url)
     if cfg.backend.name != "local":
         raise ValueError(f"backend.name={cfg.backend.name!r}: choose local or tinker")
     import torch
@@ -34,6 +37,7 @@ def make_backend(cfg: Any, save_dir: Path) -> TrainingBackend:
     b = cfg.backend
     return LocalBackend(
         model, tokenizer, lora_rank=m.lora_rank, lora_alpha=m.lora_alpha, lora_dropout=m.lora_dropout, lora_targets=list(m.lora_targets), lora_target_parameters=list(m.lora_target_parameters),
+        logit_scale=m.logit_scale, logit_scale_lr_factor=logit_scale_lr_factor,
         device=device, seed=cfg.seed, save_dir=save_dir, microbatch_tokens=b.microbatch_tokens, gradient_checkpointing=b.gradient_checkpointing, packing=b.packing,
         dtype=b.dtype or None, compile_backend=b.compile or None, cuda_graph_sampling=b.cuda_graph_sampling,
     )

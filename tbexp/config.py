@@ -29,6 +29,7 @@ class ModelConfig:
     lora_dropout: float = 0.0
     lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     lora_target_parameters: list[str] = field(default_factory=list)  # raw parameters (MoE experts' 3-D weights) for peft's target_parameters
+    logit_scale: bool = False  # a trainable scalar on the logits that GRPO learns (backends/logit_scale.py says why); local backend only
     max_length_tokens: int = 2048
 
 
@@ -169,6 +170,7 @@ class GRPOConfig:
     clip_high_threshold: float = 1.2
     scale_by_std: bool = False  # advantage = (reward - group mean) / group std
     negative_weight: float = 1.0  # scales below-mean advantages; 1 = plain GRPO, 0 = learn from above-mean episodes only
+    logit_scale_lr_factor: float = 50.0  # with model.logit_scale: its lr = learning_rate x this (one number moves ~lr an Adam step)
     updates_per_step: int = 1  # optimizer steps on each step's samples (use ppo for more than 1)
     normalize: str = "token"  # token: loss = mean over the step's sampled tokens | episode: mean over episodes of their token means
     kl_coef: float = 0.0  # penalty on log(pi/pi_start) of the sampled tokens; 0 = off
@@ -331,6 +333,8 @@ def check(cfg: Any) -> None:
         raise ConfigError(f"grpo.normalize={g.normalize!r}: choose token or episode")
     if not 0.0 <= g.negative_weight <= 1.0:
         raise ConfigError(f"grpo.negative_weight={g.negative_weight}: must lie in [0, 1] (0 keeps only the above-mean episodes)")
+    if g.logit_scale_lr_factor < 0:
+        raise ConfigError(f"grpo.logit_scale_lr_factor={g.logit_scale_lr_factor}: must be >= 0 (0 keeps the logit scale where it starts)")
     if g.lr_schedule not in ("cosine", "linear", "constant"):
         raise ConfigError(f"grpo.lr_schedule={g.lr_schedule!r}: choose cosine, linear or constant")
     unknown = [s for s in cfg.pipeline.stages if s not in ("collect", "sft", "filter", "grpo", "eval")]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from peft import PeftModel
@@ -253,6 +255,44 @@ def test_full_finetuning_trains_every_weight(tmp_path):
     changed = [n for n, p in b._params.items() if not torch.equal(p, before[n])]
     assert "lm_head.weight" in changed and "model.layers.0.mlp.down_proj.weight" in changed
     with pytest.raises(NotImplementedError):
+        b.export_adapter(str(tmp_path / "adapter"))
+
+
+@pytest.mark.parametrize("merge", [False, True])
+def test_logit_scale_multiplies_the_logits_for_training_and_sampling(tmp_path, merge):
+    b = backend(tmp_path, logit_scale=True, merge_for_sampling=merge)
+    (name,) = [n for n in b._params if "lora_" not in n]
+    assert name.endswith("model.norm.log_scale")
+    with torch.no_grad():
+        b._params[name].fill_(math.log(2.0))
+    tokens = random_tokens(15, seed=8)
+    logits = tiny_llama()(input_ids=torch.tensor([tokens])).logits[0, :-1].float()  # LoRA's B starts at 0: the base model's
+    doubled = torch.log_softmax(2 * logits, -1).gather(1, torch.tensor(tokens[1:])[:, None]).squeeze(1)
+    assert b.sampler().compute_logprobs(types.ModelInput.from_ints(tokens)).result()[1:] == pytest.approx(doubled.tolist(), abs=1e-4)
+    teacher_forced = b.forward([sft_datum(tokens)], "cross_entropy").result().logprobs[0]  # the training path
+    assert teacher_forced == pytest.approx(doubled.tolist(), abs=1e-4)
+
+
+@pytest.mark.parametrize("factor", [0.0, 10.0])
+def test_logit_scale_trains_at_its_lr_factor_and_loads_from_checkpoints_without_it(tmp_path, factor):
+    b = backend(tmp_path, logit_scale=True, logit_scale_lr_factor=factor)
+    (name,) = [n for n in b._params if "lora_" not in n]
+    before = {n: p.detach().clone() for n, p in b._params.items()}
+    b.forward_backward([sft_datum(random_tokens(20, seed=7))], "cross_entropy").result()
+    stats = b.optim_step(sgd(1e-3)).result()
+    # Adam's first step moves every weight with a gradient by ~lr: 1e-3 for LoRA's B, lr x factor for the scale.
+    moved = {n: float((p.detach() - before[n]).abs().max()) for n, p in b._params.items()}
+    assert moved[name] == pytest.approx(1e-3 * factor, rel=0.01, abs=1e-9)
+    assert max(v for n, v in moved.items() if n != name) == pytest.approx(1e-3, rel=0.01)
+    assert stats["logit_scale"] == pytest.approx(math.exp(float(b._params[name].detach())))
+    plain = backend(tmp_path / "plain").save_state("plain")  # trained without a scale
+    b.load_weights(plain)
+    assert float(b._params[name].detach()) == 0.0
+    with pytest.raises(ValueError, match="model.logit_scale"):
+        b.load_state(plain)
+    with pytest.raises(ValueError, match="model.logit_scale"):
+        backend(tmp_path / "plain").load_weights(b.save_state("scaled"))
+    with pytest.raises(NotImplementedError, match="logit_scale"):
         b.export_adapter(str(tmp_path / "adapter"))
 
 

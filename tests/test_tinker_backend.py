@@ -107,7 +107,7 @@ def test_sampling_maps_sequences():
     assert len(seqs) == 3 and seqs[0].tokens == [5, 6] and seqs[0].logprobs == [-0.1, -0.2] and seqs[0].stop_reason == "stop"
 
 
-@pytest.mark.parametrize("kwargs,needle", [({"lora_rank": 0}, "LoRA adapters only"), ({"lora_rank": 8, "lora_dropout": 0.1}, "dropout"), ({"lora_rank": 8, "lora_targets": ["q_proj", "router"]}, "router")])
+@pytest.mark.parametrize("kwargs,needle", [({"lora_rank": 0}, "LoRA adapters only"), ({"lora_rank": 8, "lora_dropout": 0.1}, "dropout"), ({"lora_rank": 8, "logit_scale": True}, "logit_scale"), ({"lora_rank": 8, "lora_targets": ["q_proj", "router"]}, "router")])
 def test_settings_tinker_cannot_honour_are_refused(kwargs, needle):
     with pytest.raises(BackendError, match=needle):
         TinkerBackend("Qwen/Qwen3-8B", service_client=StandInService(), **kwargs)

@@ -29,7 +29,9 @@ by default; local_speed.py says what each does.
 
 optim_step: torch AdamW with Tinker's `AdamParams` (decoupled weight decay,
 global-norm clipping when `grad_clip_norm` > 0), hyperparameters set afresh
-each step so a schedule lives with the caller.
+each step so a schedule lives with the caller. With `logit_scale`
+(logit_scale.py), that scalar is a second group whose lr is the step's times
+`logit_scale_lr_factor` (0, the default, keeps it at 1), and each step reports it.
 
 sampler: a snapshot that costs nothing until the weights change; before the
 next optim_step or load_state, live snapshots get a copy of the trainable
@@ -64,6 +66,7 @@ from tinker import types
 from tbexp.backends.base import LOSSES, Done, ForwardBackwardResult, Future, Sampler, SampledSequence, TrainingBackend
 from tbexp.backends.batch_sampling import Request, sample_batch
 from tbexp.backends.local_speed import PACKED_ATTENTION, _attention_implementation, _cast_weights, _compile_layers, _enable_checkpointing, _register_packed_attention, _sdpa_first
+from tbexp.backends.logit_scale import add_logit_scale, is_logit_scale
 from tbexp.backends.logprobs import target_logprobs
 from tbexp.backends.sampling import sample_sequences
 
@@ -71,7 +74,7 @@ RL_INPUTS = ("target_tokens", "logprobs", "advantages")
 
 
 class LocalBackend(TrainingBackend):
-    def __init__(self, model, tokenizer, *, lora_rank: int, lora_alpha: float, lora_dropout: float, lora_targets: list[str], lora_target_parameters: list[str] | None = None, merge_for_sampling: bool | None = None, device: str = "auto", seed: int = 0, save_dir: str | Path, microbatch_tokens: int = 8192, gradient_checkpointing: bool = False, packing: bool = False, dtype: str | None = None, compile_backend: str | None = None, logprob_chunk_tokens: int | None = None, sdpa_backend: str | None = None, cuda_graph_sampling: bool = False):
+    def __init__(self, model, tokenizer, *, lora_rank: int, lora_alpha: float, lora_dropout: float, lora_targets: list[str], lora_target_parameters: list[str] | None = None, logit_scale: bool = False, logit_scale_lr_factor: float = 0.0, merge_for_sampling: bool | None = None, device: str = "auto", seed: int = 0, save_dir: str | Path, microbatch_tokens: int = 8192, gradient_checkpointing: bool = False, packing: bool = False, dtype: str | None = None, compile_backend: str | None = None, logprob_chunk_tokens: int | None = None, sdpa_backend: str | None = None, cuda_graph_sampling: bool = False):
         _check_plain_lm_head(model.config)
         self.tokenizer = tokenizer
         self.device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto" else device)
@@ -102,6 +105,8 @@ class LocalBackend(TrainingBackend):
             self._lm = model.get_base_model()
         else:
             self._lm = model
+        if logit_scale:
+            add_logit_scale(self._lm)
         self.model = model
         self.model.train()
         if self.dtype is not None:
@@ -113,7 +118,8 @@ class LocalBackend(TrainingBackend):
         if not isinstance(self._lm.get_output_embeddings(), torch.nn.Linear):
             raise ValueError("the LM head must be a plain nn.Linear (LoRA on lm_head is not supported)")
         self._params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
-        self.optimizer = torch.optim.AdamW(self._params.values(), lr=types.AdamParams().learning_rate)
+        self.logit_scale_lr_factor = logit_scale_lr_factor
+        self.optimizer = self._new_optimizer()
         self.step = 0
         self._lock = threading.RLock()
         self._live_samplers: weakref.WeakSet[LocalSampler] = weakref.WeakSet()
@@ -171,16 +177,25 @@ class LocalBackend(TrainingBackend):
     def optim_step(self, adam: types.AdamParams) -> Future[dict[str, float]]:
         with self._lock:
             self._detach_samplers()
-            params = [p for p in self._params.values() if p.grad is not None]
+            params = [p for g in self.optimizer.param_groups if g["lr_factor"] > 0 for p in g["params"] if p.grad is not None]  # a frozen group neither moves nor counts in the norm
             grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.tensor(0.0)
             if adam.grad_clip_norm > 0 and params:
                 torch.nn.utils.clip_grads_with_norm_(params, adam.grad_clip_norm, grad_norm)
             for group in self.optimizer.param_groups:
-                group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps, weight_decay=adam.weight_decay)
+                group.update(lr=adam.learning_rate * group["lr_factor"], betas=(adam.beta1, adam.beta2), eps=adam.eps, weight_decay=adam.weight_decay)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.step += 1
-        return Done({"grad_norm": float(grad_norm), "learning_rate": adam.learning_rate, "step": float(self.step)})
+            stats = {"grad_norm": float(grad_norm), "learning_rate": adam.learning_rate, "step": float(self.step)}
+            stats |= {"logit_scale": float(p.detach().exp()) for n, p in self._params.items() if is_logit_scale(n)}
+        return Done(stats)
+
+    def _new_optimizer(self) -> torch.optim.AdamW:
+        """AdamW over the trainable tensors; the logit scale, if any, in a group of its own with its own lr factor."""
+        scale = [p for n, p in self._params.items() if is_logit_scale(n)]
+        rest = [p for n, p in self._params.items() if not is_logit_scale(n)]
+        groups = [{"params": rest, "lr_factor": 1.0}] + ([{"params": scale, "lr_factor": self.logit_scale_lr_factor}] if scale else [])
+        return torch.optim.AdamW(groups, lr=types.AdamParams().learning_rate)
 
     # ---- sampling ----
 
@@ -245,17 +260,20 @@ class LocalBackend(TrainingBackend):
             _set_rng_state(state["rng"])
 
     def load_weights(self, path: str) -> None:
-        weights = self._read_weights(path)
+        weights = self._read_weights(path, scale_optional=True)
         with self._lock:
             self._set_weights(weights)
-            self.optimizer = torch.optim.AdamW(self._params.values(), lr=types.AdamParams().learning_rate)
+            self.optimizer = self._new_optimizer()
             self.step = 0
 
-    def _read_weights(self, path: str) -> dict[str, torch.Tensor]:
+    def _read_weights(self, path: str, scale_optional: bool = False) -> dict[str, torch.Tensor]:
+        """The saved tensors; with `scale_optional`, a checkpoint trained without model.logit_scale starts it at 1."""
         weights = load_file(Path(path) / "trainable.safetensors", device=str(self.device))
+        if scale_optional:
+            weights |= {n: torch.zeros_like(p) for n, p in self._params.items() if is_logit_scale(n) and n not in weights}
         if set(weights) != set(self._params):
             missing, extra = sorted(set(self._params) - set(weights)), sorted(set(weights) - set(self._params))
-            raise ValueError(f"{path}: trainable parameters differ from this backend's (missing {missing[:3]}, unexpected {extra[:3]}); same base model and LoRA settings?")
+            raise ValueError(f"{path}: trainable parameters differ from this backend's (missing {missing[:3]}, unexpected {extra[:3]}); same base model, LoRA settings and model.logit_scale?")
         return weights
 
     def _set_weights(self, weights: dict[str, torch.Tensor]) -> None:
@@ -268,6 +286,8 @@ class LocalBackend(TrainingBackend):
     def export_adapter(self, path: str) -> str:
         if not isinstance(self.model, PeftModel):
             raise NotImplementedError("full fine-tuning has no adapter to export; use save_state or the model's save_pretrained")
+        if any(is_logit_scale(n) for n in self._params):
+            raise NotImplementedError("a PEFT adapter cannot hold model.logit_scale; use save_state, or train with model.logit_scale=false")
         with self._lock:
             self.model.save_pretrained(path)
         return str(path)

@@ -3,8 +3,9 @@
 The SDK already has the right shape; this adapter only maps its outputs to
 `ForwardBackwardResult` / `SampledSequence`, keeps futures unresolved so a
 loop can pipeline `forward_backward` and `optim_step`, and refuses settings
-the service cannot honour (full fine-tuning, LoRA dropout, per-module
-targets beyond attention / MLP / unembedding) instead of ignoring them.
+the service cannot honour (full fine-tuning, LoRA dropout, a logit scale,
+per-module targets beyond attention / MLP / unembedding) instead of
+ignoring them.
 Checkpoints are `tinker://` URIs; a run resumes from one with its optimizer.
 """
 
@@ -38,11 +39,13 @@ class _Mapped:
 
 
 class TinkerBackend(TrainingBackend):
-    def __init__(self, base_model: str, *, lora_rank: int, lora_dropout: float = 0.0, lora_targets: list[str] | None = None, seed: int = 0, base_url: str = "", load_checkpoint: str = "", service_client: Any = None):
+    def __init__(self, base_model: str, *, lora_rank: int, lora_dropout: float = 0.0, lora_targets: list[str] | None = None, logit_scale: bool = False, seed: int = 0, base_url: str = "", load_checkpoint: str = "", service_client: Any = None):
         if lora_rank <= 0:
             raise BackendError("backend=tinker trains LoRA adapters only: set model.lora_rank > 0")
         if lora_dropout:
             raise BackendError(f"backend=tinker has no LoRA dropout: set model.lora_dropout=0 (got {lora_dropout})")
+        if logit_scale:
+            raise BackendError("backend=tinker trains LoRA adapters only, not a logit scale: set model.logit_scale=false")
         targets = set(lora_targets or ATTENTION | MLP)
         unknown = targets - ATTENTION - MLP - {"lm_head", "unembed"}
         if unknown:

@@ -69,7 +69,7 @@ def train(cfg: Any, out: Path) -> dict[str, Any]:
     tasks = _rl_tasks(cfg, out)
     state_path = out / "grpo_state.json"
     state = json.loads(state_path.read_text()) if state_path.exists() else {"step": 0, "checkpoint": "", "evals": []}
-    backend = make_backend(cfg, out / "checkpoints")
+    backend = make_backend(cfg, out / "checkpoints", logit_scale_lr_factor=g.logit_scale_lr_factor)
     if cfg.load_checkpoint:
         backend.load_weights(cfg.load_checkpoint)
     reference = backend.sampler() if g.kl_coef else None  # a snapshot of the starting weights
