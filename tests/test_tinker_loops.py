@@ -116,7 +116,7 @@ def test_sft_runs_unchanged_on_tinker_with_pipelined_steps_and_uri_checkpoints(r
     from tbexp.stages.collect import collect
 
     collect(compose_config("tasks.limit=4", "tasks.families=[file-move]"), tmp_path / "gold.jsonl")
-    cfg = compose_config("backend=tinker", "model.lora_rank=8", f"sft.data={tmp_path / 'gold.jsonl'}", "sft.steps=4", "sft.batch_size=2", "sft.eval_every=2", "sft.val_fraction=0.25", "sft.patience=0")
+    cfg = compose_config("backend=tinker", "model.lora_rank=8", "model.logit_scale=false", f"sft.data={tmp_path / 'gold.jsonl'}", "sft.steps=4", "sft.batch_size=2", "sft.eval_every=2", "sft.val_fraction=0.25", "sft.patience=0")
     metrics = sft.train(cfg, tmp_path / "sft")
     state = json.loads((tmp_path / "sft" / "sft_state.json").read_text())
     assert [e["checkpoint"] for e in state["evals"]] == ["tinker://stand-in/step-00002", "tinker://stand-in/step-00004"]
@@ -130,11 +130,11 @@ def test_grpo_runs_unchanged_on_tinker_from_a_tinker_checkpoint(rootfs, tmp_path
     from tbexp.stages import grpo
 
     # A starting checkpoint saved by the service: the stage loads its weights only (fresh optimizer).
-    cfg = compose_config("backend=tinker", "model.lora_rank=8", "policy=model")
+    cfg = compose_config("backend=tinker", "model.lora_rank=8", "model.logit_scale=false", "policy=model")
     from tbexp.build import make_backend
 
     start = make_backend(cfg, tmp_path / "unused").save_state("start")
-    overrides = ["stage=grpo", "backend=tinker", "model.lora_rank=8", "policy=model", f"load_checkpoint={start}", "tasks.limit=2", "tasks.families=[file-move]", "task_filter.k=1", "task_filter.lower=0.0", "task_filter.upper=1.0", "reward=per_test", "grpo.steps=1", "grpo.groups_per_step=2", "grpo.group_size=2", "grpo.eval_at_start=false", "grpo.eval_n_runs=1", "grpo.temperature=1.5", "sampling.max_tokens=24", "agent.max_turns=2"]
+    overrides = ["stage=grpo", "backend=tinker", "model.lora_rank=8", "model.logit_scale=false", "policy=model", f"load_checkpoint={start}", "tasks.limit=2", "tasks.families=[file-move]", "task_filter.k=1", "task_filter.lower=0.0", "task_filter.upper=1.0", "reward=per_test", "grpo.steps=1", "grpo.groups_per_step=2", "grpo.group_size=2", "grpo.eval_at_start=false", "grpo.eval_n_runs=1", "grpo.temperature=1.5", "sampling.max_tokens=24", "agent.max_turns=2"]
     metrics = grpo.train(compose_config(*overrides), tmp_path / "grpo")
     assert f"load_state {start}" in tinker_service.log
     assert metrics["grpo/checkpoint"] == "tinker://stand-in/step-00001"
