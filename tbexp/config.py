@@ -170,7 +170,7 @@ class GRPOConfig:
     clip_high_threshold: float = 1.2
     scale_by_std: bool = False  # advantage = (reward - group mean) / group std
     negative_weight: float = 1.0  # scales below-mean advantages; 1 = plain GRPO, 0 = learn from above-mean episodes only
-    logit_scale_lr_factor: float = 50.0  # with model.logit_scale: its lr = learning_rate x this (one number moves ~lr an Adam step)
+    logit_scale_lr_factor: float = 100.0  # with model.logit_scale: its lr = learning_rate x this (one number moves ~lr an Adam step)
     updates_per_step: int = 1  # optimizer steps on each step's samples (use ppo for more than 1)
     normalize: str = "token"  # token: loss = mean over the step's sampled tokens | episode: mean over episodes of their token means
     kl_coef: float = 0.0  # penalty on log(pi/pi_start) of the sampled tokens; 0 = off
