@@ -113,6 +113,11 @@ def test_steps_log_where_time_went_and_keep_the_peak(warm_start, tmp_path, monke
     steps = [r for r in _rows(tmp_path) if "rollout/reward_mean" in r]
     assert [r["step"] for r in steps] == [1, 2]
     assert sum(r["rollout/datums"] for r in steps) > 0, "every group had equal rewards: nothing was trained"
+    # model=tiny carries a logit scale (backends/logit_scale.py): SFT left it at 1, GRPO trains it
+    (scale,) = [v for n, v in load_file(f"{warm_start}/trainable.safetensors").items() if n.endswith("norm.log_scale")]
+    assert float(scale) == 0.0
+    trained = [r for r in steps if "optim/logit_scale" in r]
+    assert trained and all(r["optim/logit_scale"] != 1.0 for r in trained)
     for key in ("time/sample", "time/env", "time/verify", "time/train", "rollout/strict_success", "rollout/valid_command_rate", "rollout/turns", "rollout/invalid_episodes"):
         assert key in steps[0], key
     state = json.loads((tmp_path / "grpo_state.json").read_text())
