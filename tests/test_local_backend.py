@@ -296,6 +296,18 @@ def test_logit_scale_trains_at_its_lr_factor_and_loads_from_checkpoints_without_
         b.export_adapter(str(tmp_path / "adapter"))
 
 
+def test_a_resumed_state_trains_the_logit_scale_at_this_backends_factor(tmp_path):
+    # The factor is the running stage's (SFT saves with 0, GRPO trains at its own), never the saved optimizer's.
+    frozen = backend(tmp_path, logit_scale=True, logit_scale_lr_factor=0.0)
+    frozen.forward_backward([sft_datum(random_tokens(20, seed=7))], "cross_entropy").result()
+    frozen.optim_step(sgd(1e-3)).result()
+    resumed = backend(tmp_path / "resumed", logit_scale=True, logit_scale_lr_factor=10.0)
+    resumed.load_state(frozen.save_state("frozen"))
+    assert resumed.optim_step(sgd(1e-3)).result()["logit_scale"] == 1.0  # no gradient yet: nothing moves
+    resumed.forward_backward([sft_datum(random_tokens(20, seed=8))], "cross_entropy").result()
+    assert abs(math.log(resumed.optim_step(sgd(1e-3)).result()["logit_scale"])) == pytest.approx(1e-2, rel=0.05)
+
+
 def test_grad_clip_and_weight_decay_follow_adam_params(tmp_path):
     b = backend(tmp_path)
     b.forward_backward([sft_datum(random_tokens(30, seed=6))], "cross_entropy").result()

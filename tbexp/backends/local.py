@@ -118,7 +118,10 @@ class LocalBackend(TrainingBackend):
         if not isinstance(self._lm.get_output_embeddings(), torch.nn.Linear):
             raise ValueError("the LM head must be a plain nn.Linear (LoRA on lm_head is not supported)")
         self._params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
-        self.logit_scale_lr_factor = logit_scale_lr_factor
+        self._scale_name = next((n for n in self._params if is_logit_scale(n)), None)
+        # lr factor of each optimizer group: the adapters (or every weight), then the logit scale. Kept here, not in
+        # the groups, so that a saved optimizer state never brings its own (or lacks one).
+        self._lr_factors = (1.0, logit_scale_lr_factor)
         self.optimizer = self._new_optimizer()
         self.step = 0
         self._lock = threading.RLock()
@@ -177,24 +180,25 @@ class LocalBackend(TrainingBackend):
     def optim_step(self, adam: types.AdamParams) -> Future[dict[str, float]]:
         with self._lock:
             self._detach_samplers()
-            params = [p for g in self.optimizer.param_groups if g["lr_factor"] > 0 for p in g["params"] if p.grad is not None]  # a frozen group neither moves nor counts in the norm
+            groups = list(zip(self.optimizer.param_groups, self._lr_factors))
+            params = [p for g, factor in groups if factor > 0 for p in g["params"] if p.grad is not None]  # a frozen group neither moves nor counts in the norm
             grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.tensor(0.0)
             if adam.grad_clip_norm > 0 and params:
                 torch.nn.utils.clip_grads_with_norm_(params, adam.grad_clip_norm, grad_norm)
-            for group in self.optimizer.param_groups:
-                group.update(lr=adam.learning_rate * group["lr_factor"], betas=(adam.beta1, adam.beta2), eps=adam.eps, weight_decay=adam.weight_decay)
+            for group, factor in groups:
+                group.update(lr=adam.learning_rate * factor, betas=(adam.beta1, adam.beta2), eps=adam.eps, weight_decay=adam.weight_decay)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.step += 1
             stats = {"grad_norm": float(grad_norm), "learning_rate": adam.learning_rate, "step": float(self.step)}
-            stats |= {"logit_scale": float(p.detach().exp()) for n, p in self._params.items() if is_logit_scale(n)}
+            if self._scale_name:
+                stats["logit_scale"] = float(self._params[self._scale_name].detach().exp())
         return Done(stats)
 
     def _new_optimizer(self) -> torch.optim.AdamW:
-        """AdamW over the trainable tensors; the logit scale, if any, in a group of its own with its own lr factor."""
-        scale = [p for n, p in self._params.items() if is_logit_scale(n)]
-        rest = [p for n, p in self._params.items() if not is_logit_scale(n)]
-        groups = [{"params": rest, "lr_factor": 1.0}] + ([{"params": scale, "lr_factor": self.logit_scale_lr_factor}] if scale else [])
+        """AdamW over the trainable tensors; the logit scale, if any, in a second group (its lr factor: `_lr_factors`)."""
+        rest = [p for n, p in self._params.items() if n != self._scale_name]
+        groups = [{"params": rest}] + ([{"params": [self._params[self._scale_name]]}] if self._scale_name else [])
         return torch.optim.AdamW(groups, lr=types.AdamParams().learning_rate)
 
     # ---- sampling ----
@@ -269,8 +273,8 @@ class LocalBackend(TrainingBackend):
     def _read_weights(self, path: str, scale_optional: bool = False) -> dict[str, torch.Tensor]:
         """The saved tensors; with `scale_optional`, a checkpoint trained without model.logit_scale starts it at 1."""
         weights = load_file(Path(path) / "trainable.safetensors", device=str(self.device))
-        if scale_optional:
-            weights |= {n: torch.zeros_like(p) for n, p in self._params.items() if is_logit_scale(n) and n not in weights}
+        if scale_optional and self._scale_name and self._scale_name not in weights:
+            weights[self._scale_name] = torch.zeros_like(self._params[self._scale_name])
         if set(weights) != set(self._params):
             missing, extra = sorted(set(self._params) - set(weights)), sorted(set(weights) - set(self._params))
             raise ValueError(f"{path}: trainable parameters differ from this backend's (missing {missing[:3]}, unexpected {extra[:3]}); same base model, LoRA settings and model.logit_scale?")
@@ -286,7 +290,7 @@ class LocalBackend(TrainingBackend):
     def export_adapter(self, path: str) -> str:
         if not isinstance(self.model, PeftModel):
             raise NotImplementedError("full fine-tuning has no adapter to export; use save_state or the model's save_pretrained")
-        if any(is_logit_scale(n) for n in self._params):
+        if self._scale_name:
             raise NotImplementedError("a PEFT adapter cannot hold model.logit_scale; use save_state, or train with model.logit_scale=false")
         with self._lock:
             self.model.save_pretrained(path)
