@@ -61,6 +61,7 @@ class BackendConfig:
     device: str = "auto"  # local: cpu | cuda | auto
     base_url: str = ""  # tinker: a Tinker-compatible server; "" = the SDK's default
     threads: int = 1  # local on CPU: torch threads; the sandboxes need the other cores. 0 = torch's default
+    train_threads: int = 0  # local on CPU: torch threads during updates, when no sandbox runs; 0 = as `threads`
     # local on GPU (see the README's GPU benchmark): all off by default, so CPU runs are unchanged
     dtype: str = ""  # "bfloat16": frozen weights in bf16, passes under autocast, trainable weights fp32
     compile: str = ""  # "inductor": torch.compile each decoder layer for training passes
@@ -301,6 +302,9 @@ def check(cfg: Any) -> None:
     for key, value in (("eval.n_runs", cfg.eval.n_runs), ("eval.concurrency", cfg.eval.concurrency), ("agent.max_turns", cfg.agent.max_turns)):
         if value < 1:
             raise ConfigError(f"{key}={value}: must be at least 1")
+    for key, value in (("backend.threads", cfg.backend.threads), ("backend.train_threads", cfg.backend.train_threads)):
+        if value < 0:
+            raise ConfigError(f"{key}={value}: must be >= 0 (0 = the default)")
     if cfg.tasks.source not in ("builtin", "dir"):
         raise ConfigError(f"tasks.source={cfg.tasks.source!r}: choose builtin or dir")
     if not 0.0 <= cfg.tasks.rl_share < 1.0:

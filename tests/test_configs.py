@@ -89,6 +89,7 @@ def test_wrong_type_is_refused():
         (["grpo.clip_low_threshold=1.1"], "need low < 1 < high"),
         (["grpo.negative_weight=-0.5"], "grpo.negative_weight"),
         (["grpo.logit_scale_lr_factor=-1"], "grpo.logit_scale_lr_factor"),
+        (["backend.train_threads=-1"], "backend.train_threads"),
         (["pipeline.stages=[collect,sft,rlhf]"], "pipeline.stages"),
     ],
 )

@@ -317,6 +317,24 @@ def test_grad_clip_and_weight_decay_follow_adam_params(tmp_path):
     assert (group["lr"], group["betas"], group["eps"], group["weight_decay"]) == (1e-3, (0.9, 0.95), 1e-12, 0.1)
 
 
+def test_updates_run_on_train_threads_and_give_back_the_sampling_setting(tmp_path, monkeypatch):
+    seen = []
+    run = LocalBackend._run
+    monkeypatch.setattr(LocalBackend, "_run", lambda self, *a, **kw: seen.append(torch.get_num_threads()) or run(self, *a, **kw))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        b = backend(tmp_path, train_threads=2)
+        b.forward_backward([sft_datum(random_tokens(30, seed=6))], "cross_entropy").result()
+        assert seen == [2] and torch.get_num_threads() == 1
+        b.optim_step(sgd()).result()
+        assert torch.get_num_threads() == 1
+        backend(tmp_path).forward_backward([sft_datum(random_tokens(30, seed=6))], "cross_entropy").result()
+        assert seen == [2, 1]  # without train_threads, the process's setting
+    finally:
+        torch.set_num_threads(previous)
+
+
 # ---- checkpoints and adapters ----
 
 

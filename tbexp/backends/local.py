@@ -21,7 +21,9 @@ defines it — is backpropagated at once, and gradients add up until
 `optim_step`. Inputs go to the device before any work is queued and the
 losses and logprobs stay there until the call's end, so a call syncs with
 the device once. The whole call runs eagerly; the returned future is
-already done.
+already done. With `train_threads`, forward_backward, forward and optim_step
+run on that many torch CPU threads (sampling keeps the process's setting):
+the stages update only between rollouts, when the sandboxes' cores are free.
 
 GPU knobs (`dtype`, `compile_backend`, `logprob_chunk_tokens`,
 `sdpa_backend`, `cuda_graph_sampling`, `gradient_checkpointing`) are all off
@@ -74,7 +76,7 @@ RL_INPUTS = ("target_tokens", "logprobs", "advantages")
 
 
 class LocalBackend(TrainingBackend):
-    def __init__(self, model, tokenizer, *, lora_rank: int, lora_alpha: float, lora_dropout: float, lora_targets: list[str], lora_target_parameters: list[str] | None = None, logit_scale: bool = False, logit_scale_lr_factor: float = 0.0, merge_for_sampling: bool | None = None, device: str = "auto", seed: int = 0, save_dir: str | Path, microbatch_tokens: int = 8192, gradient_checkpointing: bool = False, packing: bool = False, dtype: str | None = None, compile_backend: str | None = None, logprob_chunk_tokens: int | None = None, sdpa_backend: str | None = None, cuda_graph_sampling: bool = False):
+    def __init__(self, model, tokenizer, *, lora_rank: int, lora_alpha: float, lora_dropout: float, lora_targets: list[str], lora_target_parameters: list[str] | None = None, logit_scale: bool = False, logit_scale_lr_factor: float = 0.0, merge_for_sampling: bool | None = None, device: str = "auto", seed: int = 0, save_dir: str | Path, microbatch_tokens: int = 8192, gradient_checkpointing: bool = False, packing: bool = False, dtype: str | None = None, compile_backend: str | None = None, logprob_chunk_tokens: int | None = None, sdpa_backend: str | None = None, cuda_graph_sampling: bool = False, train_threads: int | None = None):
         _check_plain_lm_head(model.config)
         self.tokenizer = tokenizer
         self.device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto" else device)
@@ -87,6 +89,7 @@ class LocalBackend(TrainingBackend):
         self.merge_for_sampling = (self.device.type == "cpu" and small) if merge_for_sampling is None else merge_for_sampling
         self.compile_backend, self.logprob_chunk_tokens, self.sdpa_backend = compile_backend, logprob_chunk_tokens, sdpa_backend
         self.cuda_graph_sampling = cuda_graph_sampling
+        self.train_threads = train_threads
         self.dtype = getattr(torch, dtype) if dtype else None
         if self.dtype is not None:  # before the move, so the device never holds the wider copy
             base_dtype = self.dtype if lora_rank > 0 else torch.float32  # under full fine-tuning every weight trains
@@ -132,10 +135,11 @@ class LocalBackend(TrainingBackend):
     # ---- training ----
 
     def forward_backward(self, data: list[types.Datum], loss_fn: str, loss_fn_config: dict[str, float] | None = None) -> Future[ForwardBackwardResult]:
-        return Done(self._run(data, loss_fn, loss_fn_config, backward=True))
+        with _torch_threads(self.train_threads):
+            return Done(self._run(data, loss_fn, loss_fn_config, backward=True))
 
     def forward(self, data: list[types.Datum], loss_fn: str, loss_fn_config: dict[str, float] | None = None) -> Future[ForwardBackwardResult]:
-        with torch.no_grad():
+        with torch.no_grad(), _torch_threads(self.train_threads):
             return Done(self._run(data, loss_fn, loss_fn_config, backward=False))
 
     def _run(self, data: list[types.Datum], loss_fn: str, loss_fn_config: dict[str, float] | None, backward: bool) -> ForwardBackwardResult:
@@ -178,7 +182,7 @@ class LocalBackend(TrainingBackend):
         return torch.autocast(self.device.type, dtype=self.dtype) if self.dtype is not None else nullcontext()
 
     def optim_step(self, adam: types.AdamParams) -> Future[dict[str, float]]:
-        with self._lock:
+        with self._lock, _torch_threads(self.train_threads):
             self._detach_samplers()
             groups = list(zip(self.optimizer.param_groups, self._lr_factors))
             params = [p for g, factor in groups if factor > 0 for p in g["params"] if p.grad is not None]  # a frozen group neither moves nor counts in the norm
@@ -357,6 +361,20 @@ def _row(datum: types.Datum, loss_fn: str) -> dict[str, torch.Tensor]:
         if len(row[k]) != len(row["tokens"]):
             raise ValueError(f"loss_fn_inputs[{k!r}] has {len(row[k])} entries for {len(row['tokens'])} input tokens")
     return row
+
+
+@contextmanager
+def _torch_threads(n: int | None):
+    """torch's CPU threads set to `n` (None: left alone) for the block; the stages call updates only between
+    rollouts, so the cores the sandboxes need while sampling are free then."""
+    previous = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if n:
+            torch.set_num_threads(previous)
 
 
 def _microbatches(rows: list[dict], budget_tokens: int, packed: bool = False) -> list[list[int]]:
