@@ -8,6 +8,7 @@ free of config plumbing.
 from __future__ import annotations
 
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 from tbexp.backends.base import TrainingBackend
@@ -92,6 +93,14 @@ def run_policy(cfg: Any, tasks: list, n_runs: int, concurrency: int, runtime: An
 
     jobs = [(task, r) for r in range(n_runs) for task in tasks]
     return run_episodes(jobs, concurrency, run_one, desc=desc)
+
+
+def checkpoint_bytes(checkpoint: str) -> Iterator[bytes]:
+    """A local checkpoint's files, each name and contents, in a fixed order, for cache keys (a tinker:// URI: none)."""
+    if checkpoint and Path(checkpoint).is_dir():
+        for file in sorted(Path(checkpoint).rglob("*")):
+            if file.is_file():
+                yield file.name.encode() + file.read_bytes()
 
 
 def with_overrides(cfg: Any, **overrides: Any) -> Any:

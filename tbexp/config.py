@@ -185,6 +185,7 @@ class GRPOConfig:
 class PipelineConfig:
     stages: list[str] = field(default_factory=lambda: ["collect", "sft", "filter", "grpo", "eval"])
     cache_sft: bool = True  # SFT results are shared by content hash (a sweep's trials with one SFT setting train once)
+    cache_evals: bool = True  # so are the base and SFT rows' held-out evals (scored once per SFT setting)
 
 
 @dataclass

@@ -42,7 +42,8 @@ def _tbexp(*args, timeout=1500):
 @pytest.mark.sandbox
 def test_pipeline_writes_the_base_sft_rl_table_and_resumes(rootfs, tmp_path):
     run = tmp_path / "run"
-    out = _tbexp(*MINIATURE, f"hydra.run.dir={run}")
+    miniature = [*MINIATURE, f"tasks.cache_dir={tmp_path / 'cache' / 'tasks'}"]  # SFT and eval caches of this test only
+    out = _tbexp(*miniature, f"hydra.run.dir={run}")
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((run / "summary.json").read_text())
     for row in ("base", "sft", "rl"):
@@ -55,18 +56,32 @@ def test_pipeline_writes_the_base_sft_rl_table_and_resumes(rootfs, tmp_path):
     assert "strict_success" in out.stdout  # the table is printed
 
     # The same command in the same directory redoes nothing.
-    again = _tbexp(*MINIATURE, f"hydra.run.dir={run}")
+    again = _tbexp(*miniature, f"hydra.run.dir={run}")
     assert again.returncode == 0, again.stderr[-3000:]
     said = again.stdout + again.stderr
     assert said.count("already done") == 7 and "rollouts" not in said  # collect, sft, base, sft eval, filter, grpo, final eval
     assert json.loads((run / "summary.json").read_text())["rl"] == summary["rl"]
 
-    # Another job with the same SFT settings (a sweep trial varying only GRPO) reuses the SFT instead of training again.
-    other = _tbexp(*MINIATURE, "grpo.learning_rate=0.01", f"hydra.run.dir={tmp_path / 'other'}")
+    # Another job with the same SFT settings (a sweep trial varying only GRPO) reuses the SFT instead of training
+    # again, and its base and SFT rows instead of scoring them again.
+    other = _tbexp(*miniature, "grpo.learning_rate=0.01", "eval.concurrency=3", f"hydra.run.dir={tmp_path / 'other'}")
     assert other.returncode == 0, other.stderr[-3000:]
     assert (tmp_path / "other" / "sft").resolve() == (run / "sft").resolve()
     rows = [json.loads(line) for line in (run / "sft" / "metrics.jsonl").read_text().splitlines()]
     assert sorted(r["step"] for r in rows if "train/nll" in r) == list(range(1, 21))  # each step trained once
+    said = other.stdout + other.stderr
+    assert said.count("row from the cache") == 2 and "eval base:" not in said and "eval sft:" not in said
+    other_summary = json.loads((tmp_path / "other" / "summary.json").read_text())
+    assert (other_summary["base"], other_summary["sft"]) == (summary["base"], summary["sft"])
+    for name in ("eval_base", "eval_sft"):
+        assert (tmp_path / "other" / name).resolve() == (run / name).resolve()
+        assert (run / name / "tasks.csv").is_file()
+
+    # A setting that changes what an eval samples scores the rows anew.
+    hotter = _tbexp(*miniature, "sampling.temperature=1.0", "pipeline.stages=[collect,sft]", f"hydra.run.dir={tmp_path / 'hotter'}")
+    assert hotter.returncode == 0, hotter.stderr[-3000:]
+    said = hotter.stdout + hotter.stderr
+    assert "row from the cache" not in said and "eval base:" in said and "eval sft:" in said
 
 
 @pytest.mark.sandbox

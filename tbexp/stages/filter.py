@@ -25,7 +25,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from tbexp.build import model_runtime, run_policy
+from tbexp.build import checkpoint_bytes, model_runtime, run_policy
 from tbexp.tasks import load_task_set
 from tbexp.tracking import Tracker, run_dir, write_summary
 
@@ -95,10 +95,8 @@ def _cache_key(cfg: Any, tasks: list) -> str:
     h = hashlib.sha256()
     checkpoint = cfg.load_checkpoint
     h.update(json.dumps({"model": OmegaConf.to_container(cfg.model), "checkpoint": checkpoint, "policy": cfg.policy, "tasks": [t.name for t in tasks], "k": cfg.task_filter.k, "agent": OmegaConf.to_container(cfg.agent), "sampling": OmegaConf.to_container(cfg.sampling), "suite_seed": cfg.tasks.seed}, sort_keys=True).encode())
-    if checkpoint and Path(checkpoint).is_dir():  # a local checkpoint: its contents, not just its name
-        for file in sorted(Path(checkpoint).rglob("*")):
-            if file.is_file():
-                h.update(file.name.encode() + file.read_bytes())
+    for part in checkpoint_bytes(checkpoint):  # a local checkpoint: its contents, not just its name
+        h.update(part)
     return h.hexdigest()[:24]
 
 

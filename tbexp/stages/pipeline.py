@@ -11,7 +11,11 @@ table, printed and saved (`table.md`), the RL curve (`rl_curve.png`) and
 
 Each part works in its own folder under the run directory and resumes there;
 `pipeline_state.json` records the parts already done, so re-running the same
-command in the same directory continues where it stopped. The job's value
+command in the same directory continues where it stopped. SFT and the base
+and SFT evals work in folders under the cache named by a hash of everything
+that decides them (`pipeline.cache_sft`, `pipeline.cache_evals`), which the
+run's `sft`, `eval_base` and `eval_sft` link to: runs and sweep trials that
+share them train and score them once. The job's value
 (what a sweep optimises) is the final held-out reward.
 """
 
@@ -48,8 +52,8 @@ def run(cfg: Any) -> dict[str, float]:
         folder = _sft_folder(cfg, out)
         training = done.get("sft_training", lambda: _one_at_a_time(folder, lambda: sft.train(cfg, folder)))
         checkpoint = training["sft/checkpoint"]
-        done.get("base", lambda: evaluate_checkpoint(cfg, out / "eval_base", cfg.load_checkpoint, label="base", quiet=True))
-        done.get("sft_eval", lambda: evaluate_checkpoint(cfg, out / "eval_sft", checkpoint, label="sft", quiet=True))
+        done.get("base", lambda: _eval_once(cfg, out, "eval_base", cfg.load_checkpoint, label="base"))
+        done.get("sft_eval", lambda: _eval_once(cfg, out, "eval_sft", checkpoint, label="sft"))
     if "filter" in parts:
         kept = done.get("filter", lambda: filter_stage.select_for_rl(cfg, out / "filter", checkpoint))
         cfg = with_overrides(cfg, **{"grpo.tasks_file": kept["filter/kept_tasks"]})
@@ -89,15 +93,53 @@ def _sft_folder(cfg: Any, out: Path) -> Path:
         return out / "sft"
     from omegaconf import OmegaConf
 
-    h = hashlib.sha256()
     decided_by = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "sft", "agent", "tasks")}
     decided_by["tasks"].pop("split", None)  # the eval split does not change what SFT trains on
-    h.update(json.dumps({**decided_by, "seed": cfg.seed, "backend": cfg.backend.name}, sort_keys=True).encode())
-    if cfg.sft.data and Path(cfg.sft.data).is_file():
-        h.update(Path(cfg.sft.data).read_bytes())
-    folder = Path(cfg.tasks.cache_dir).parent / "sft" / h.hexdigest()[:20]
+    data = [Path(cfg.sft.data).read_bytes()] if cfg.sft.data and Path(cfg.sft.data).is_file() else []
+    return _shared_folder(cfg, out / "sft", "sft", [json.dumps({**decided_by, "seed": cfg.seed, "backend": cfg.backend.name}, sort_keys=True).encode(), *data])
+
+
+def _eval_once(cfg: Any, out: Path, name: str, checkpoint: str, label: str) -> dict[str, float]:
+    """The held-out eval of `checkpoint` ("" = the base model) in `out/name`.
+
+    With `pipeline.cache_evals` it runs once per content: in a folder named by
+    everything that decides it (the checkpoint's files, model, tasks, agent,
+    sandbox, sampling and eval settings, reward, seed), which `out/name` links
+    to, so sweep trials that share an SFT setting score base and SFT once.
+    """
+    from omegaconf import OmegaConf
+
+    from tbexp.build import checkpoint_bytes
+    from tbexp.stages.eval import evaluate_checkpoint
+
+    if not cfg.pipeline.cache_evals:
+        return evaluate_checkpoint(cfg, out / name, checkpoint, label=label, quiet=True)
+    decided_by = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "tasks", "agent", "sandbox", "sampling", "eval", "reward", "backend")}
+    decided_by["eval"].pop("concurrency")  # each reply's seed is its own: neither changes a result
+    for key in ("threads", "train_threads"):
+        decided_by["backend"].pop(key)
+    key = json.dumps({**decided_by, "seed": cfg.seed, "checkpoint": checkpoint, "label": label}, sort_keys=True).encode()
+    folder = _shared_folder(cfg, out / name, "evals", [key, *checkpoint_bytes(checkpoint)])
+
+    def work() -> dict[str, float]:
+        result = folder / "result.json"
+        if result.exists():
+            log.info("pipeline: the %s row from the cache %s", label, folder)
+            return json.loads(result.read_text())
+        metrics = evaluate_checkpoint(cfg, folder, checkpoint, label=label, quiet=True)
+        result.write_text(json.dumps(metrics))
+        return metrics
+
+    return _one_at_a_time(folder, work)
+
+
+def _shared_folder(cfg: Any, link: Path, kind: str, decided_by: list[bytes]) -> Path:
+    """`<cache>/<kind>/<hash of decided_by>`, created, with `link` pointing there."""
+    h = hashlib.sha256()
+    for part in decided_by:
+        h.update(part)
+    folder = Path(cfg.tasks.cache_dir).parent / kind / h.hexdigest()[:20]
     folder.mkdir(parents=True, exist_ok=True)
-    link = out / "sft"
     if not link.exists():
         link.symlink_to(folder, target_is_directory=True)
     return folder
