@@ -179,7 +179,7 @@ def test_no_kept_tasks_is_a_clear_error(tmp_path):
     from tbexp.trajectories import DataError
 
     kept = tmp_path / "kept_tasks.json"
-    kept.write_text(json.dumps({"kept": [], "rates": {}}))
+    kept.write_text(json.dumps({"kept": [], "rates": {"tbexp/file-move-0001": 0.0, "tbexp/file-move-0002": 1.0}}))
     cfg = compose_config("stage=grpo", f"grpo.tasks_file={kept}", "tasks.limit=3", "tasks.families=[file-move]")
-    with pytest.raises(DataError, match="no RL tasks kept"):
+    with pytest.raises(DataError, match=r"no RL tasks kept \(solve rate in \[0.1, 0.8\] of 2 candidates rated\)"):
         grpo_stage._rl_tasks(cfg, tmp_path)

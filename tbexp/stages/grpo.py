@@ -120,11 +120,13 @@ def _rl_tasks(cfg: Any, out: Path) -> list:
     path = Path(cfg.grpo.tasks_file)
     if not path.exists():
         raise DataError(f"grpo.tasks_file={path}: no such file (the filter stage writes kept_tasks.json)")
-    kept = set(json.loads(path.read_text())["kept"])
+    selection = json.loads(path.read_text())
+    kept = set(selection["kept"])
     tasks = [t for t in candidates if t.name in kept]
     if not tasks:
         f = cfg.task_filter
-        raise DataError(f"{path}: no RL tasks kept (solve rate in [{f.lower}, {f.upper}] of {len(candidates)} candidates); widen task_filter.lower/upper, raise task_filter.k, or train SFT further")
+        rated = len(selection.get("rates") or candidates)  # the filter rates task_filter.max_tasks of the candidates
+        raise DataError(f"{path}: no RL tasks kept (solve rate in [{f.lower}, {f.upper}] of {rated} candidates rated); widen task_filter.lower/upper, raise task_filter.k, or train SFT further")
     return tasks
 
 
