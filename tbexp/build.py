@@ -7,8 +7,8 @@ free of config plumbing.
 
 from __future__ import annotations
 
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from tbexp.backends.base import TrainingBackend

@@ -115,7 +115,8 @@ def _eval_once(cfg: Any, out: Path, name: str, checkpoint: str, label: str) -> d
     if not cfg.pipeline.cache_evals:
         return evaluate_checkpoint(cfg, out / name, checkpoint, label=label, quiet=True)
     decided_by = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "tasks", "agent", "sandbox", "sampling", "eval", "reward", "backend")}
-    decided_by["eval"].pop("concurrency")  # each reply's seed is its own: neither changes a result
+    # Left out: how many episodes run at once (each reply's seed is its own) and torch's thread counts change no result.
+    decided_by["eval"].pop("concurrency")
     for key in ("threads", "train_threads"):
         decided_by["backend"].pop(key)
     key = json.dumps({**decided_by, "seed": cfg.seed, "checkpoint": checkpoint, "label": label}, sort_keys=True).encode()
