@@ -5,6 +5,7 @@
     .venv/bin/python scripts/bench_sweep.py --only overhead
     .venv/bin/python scripts/bench_sweep.py --only efficiency --objective smoke --seeds 3
     .venv/bin/python scripts/bench_sweep.py --only efficiency --objective pipeline --seeds 3   # the real one: hours
+    .venv/bin/python scripts/bench_sweep.py --only efficiency --objective pipeline --seeds 3 --no-run   # its figures so far
 
 Overhead. The wall and CPU time of `python -m tbexp --cfg job` (target < 1 s),
 and of a sweep of the sweeper tests' free app (`tests/sweep_app`: each job
@@ -83,12 +84,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs of `python -m tbexp --cfg job`")
     parser.add_argument("--trials", type=int, default=16, help="trials of the do-nothing sweep")
     parser.add_argument("--out", default="multirun/bench_sweep", help="smoke/pipeline: sweep directories and study storage (relative to the repository)")
+    parser.add_argument("--no-run", action="store_true", help="smoke/pipeline: score the studies as they stand in --out, launching nothing (an arm still short of its budget is marked partial)")
     args = parser.parse_args()
     print(f"{os.cpu_count()} CPUs, load average {_load()} at start")
     if args.only != "efficiency":
         _overhead(args.repeats, args.trials)
     if args.only != "overhead":
-        _efficiency(args.objective, args.seeds, REPO / args.out)
+        _efficiency(args.objective, args.seeds, REPO / args.out, args.no_run)
     print(f"load average {_load()} at the end")
 
 
@@ -131,7 +133,7 @@ def _timed(cmd: list[str]) -> tuple[float, float]:
 # --- efficiency -----------------------------------------------------------------------------------
 
 
-def _efficiency(objective: str, n_seeds: int, out: Path) -> None:
+def _efficiency(objective: str, n_seeds: int, out: Path, no_run: bool = False) -> None:
     from omegaconf import OmegaConf
 
     sweep, _ = OBJECTIVES[objective]
@@ -149,7 +151,13 @@ def _efficiency(objective: str, n_seeds: int, out: Path) -> None:
             if objective == "synthetic":
                 studies[mode] = _synthetic_study(OmegaConf.merge(settings, MODES[mode]), seed, steps, eval_every)
             else:
-                studies[mode] = _real_study(objective, mode, seed, out)
+                studies[mode] = _real_study(objective, mode, seed, out, launch=not no_run)
+        waiting = [f"{mode} not begun" for mode, study in studies.items() if study is None]
+        if studies["random"] is not None and not any(value is not None for _, value in _finished(studies["random"])):
+            waiting.append("random has no complete trial yet")
+        if waiting:  # only with --no-run
+            print(f"{seed:>4} ({'; '.join(waiting)})")
+            continue
         target = studies["random"].best_value
         maximize = studies["random"].direction.name == "MAXIMIZE"
         finished = {mode: _finished(study) for mode, study in studies.items()}
@@ -159,7 +167,10 @@ def _efficiency(objective: str, n_seeds: int, out: Path) -> None:
         ratios.append(ratio)
         tpe_reach = str(reach["tpe+pruning"]) if ratio is not None else f"not reached (>{total['tpe+pruning']})"
         shown = "-" if ratio is None else f"{ratio:.2f}"
-        print(f"{seed:>4} {target:>11.4f} {reach['random']:>18} {studies['tpe+pruning'].best_value:>16.4f} {tpe_reach:>23} {shown:>6} {total['random']:>8} / {total['tpe+pruning']:<6}")
+        tpe_best = f"{studies['tpe+pruning'].best_value:.4f}" if any(value is not None for _, value in finished["tpe+pruning"]) else "-"
+        partial = [mode for mode, study in studies.items() if _short_of_budget(study, settings.n_trials)]
+        note = f"  PARTIAL: {', '.join(partial)} short of {settings.n_trials} trials" if partial else ""
+        print(f"{seed:>4} {target:>11.4f} {reach['random']:>18} {tpe_best:>16} {tpe_reach:>23} {shown:>6} {total['random']:>8} / {total['tpe+pruning']:<6}{note}")
     reached = [r for r in ratios if r is not None]
     median = f", median ratio {statistics.median(reached):.2f} over those" if reached else ""
     print(f"tpe+pruning reached random's best in {len(reached)} of {n_seeds} seeds{median}; ratio <= 0.5 (the target) in {sum(r <= 0.5 for r in reached)} of {n_seeds}; load {_load()}")
@@ -175,12 +186,17 @@ def _sweep_settings(sweep: str) -> Any:
 
 
 def _finished(study: Any) -> list[tuple[int, float | None]]:
-    """(trial-steps, value or None when not COMPLETE) of every finished trial, in the order they finished."""
+    """(trial-steps, value or None when not COMPLETE) of every finished trial, in the order they finished.
+
+    A trial interrupted because its sweeper was killed is left out: its retry
+    (same parameters, same seed) runs it again and is counted instead, so
+    stopping and continuing a benchmark does not change its figures.
+    """
     from optuna.trial import TrialState
 
-    from tbexp.study import PRUNED_AT_ATTR
+    from tbexp.study import INTERRUPTED_ATTR, PRUNED_AT_ATTR
 
-    trials = sorted((t for t in study.get_trials(deepcopy=False) if t.state.is_finished()), key=lambda t: t.datetime_complete)
+    trials = sorted((t for t in study.get_trials(deepcopy=False) if t.state.is_finished() and not t.user_attrs.get(INTERRUPTED_ATTR)), key=lambda t: t.datetime_complete)
     return [(int(t.user_attrs.get(PRUNED_AT_ATTR, t.last_step or 0)), t.value if t.state == TrialState.COMPLETE else None) for t in trials]
 
 
@@ -194,8 +210,15 @@ def _steps_to_reach(finished: list[tuple[int, float | None]], target: float, max
     return None
 
 
-def _real_study(objective: str, mode: str, seed: int, out: Path) -> Any:
-    """Run (or continue) one study through `python -m tbexp -m` and load it."""
+def _short_of_budget(study: Any, n_trials: int) -> bool:
+    """Whether a study has fewer finished trials than its budget (as the sweeper counts: not those its dead sweepers left)."""
+    from tbexp.study import INTERRUPTED_ATTR
+
+    return sum(t.state.is_finished() and not t.user_attrs.get(INTERRUPTED_ATTR) for t in study.get_trials(deepcopy=False)) < n_trials
+
+
+def _real_study(objective: str, mode: str, seed: int, out: Path, launch: bool = True) -> Any:
+    """Run (or continue) one study through `python -m tbexp -m` and load it; with launch=False only load it (None if not begun)."""
     from tbexp.study import load_study
 
     sweep, extra = OBJECTIVES[objective]
@@ -204,10 +227,16 @@ def _real_study(objective: str, mode: str, seed: int, out: Path) -> Any:
     changes = [f"hydra.sweeper.{group}.{key}={value}" for group, fields in MODES[mode].items() for key, value in fields.items()]
     seed_override = f"hydra.sweeper.sampler.seed={_sweep_settings(sweep).sampler.seed + seed}"
     cmd = [sys.executable, "-m", "tbexp", "-m", *extra, f"+sweep={sweep}", f"hydra.sweeper.study_name={name}", f"hydra.sweeper.storage={storage}", f"hydra.sweep.dir={out}/{name}", seed_override, f"seed={seed}", *changes]
-    out.mkdir(parents=True, exist_ok=True)
-    print(f"  {' '.join(cmd[1:])}", flush=True)
-    subprocess.run(cmd, cwd=REPO, check=True)
-    return load_study(storage, name)
+    if launch:
+        out.mkdir(parents=True, exist_ok=True)
+        print(f"  {' '.join(cmd[1:])}", flush=True)
+        subprocess.run(cmd, cwd=REPO, check=True)
+    elif not (out / "optuna.db").exists():
+        raise SystemExit(f"--no-run: no study storage at {out}/optuna.db; run without --no-run first")
+    try:
+        return load_study(storage, name)
+    except KeyError:  # --no-run before this arm's sweep began
+        return None
 
 
 def _pipeline_schedule() -> tuple[int, int]:
