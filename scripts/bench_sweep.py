@@ -251,8 +251,10 @@ def _synthetic_study(settings: Any, seed: int, steps: int, eval_every: int) -> A
     """One study as the sweeper would run it (its sampler, pruner, space, budget, n_jobs), on synthetic curves.
 
     Trials advance one step at a time in lockstep, `n_jobs` at once, and the
-    next starts as soon as one ends; a trial reports its held-out value at each
-    eval step and is pruned the way `tbexp.trial.report` prunes a job.
+    next starts as soon as one ends; at each eval step a trial reports what
+    GRPO reports under the pruner's metric (its held-out value, or for
+    grpo/best_reward the peak so far) and is pruned the way
+    `tbexp.trial.report` prunes a job.
     """
     import optuna
     from omegaconf import OmegaConf
@@ -265,18 +267,20 @@ def _synthetic_study(settings: Any, seed: int, steps: int, eval_every: int) -> A
     sampler = _sampler(settings.sampler, settings.sampler.seed + seed)
     study = optuna.create_study(direction=settings.objective.direction, sampler=sampler, pruner=make_pruner(OmegaConf.to_container(settings.pruner)))
     space = SearchSpace(settings.params)
+    peak_metric = (settings.pruner.metric or settings.objective.metric) == "grpo/best_reward"  # GRPO's peak so far, else its latest eval
     running: list[dict] = []
     started = 0
     while started < settings.n_trials or running:
         while len(running) < settings.n_jobs and started < settings.n_trials:
             trial = study.ask()
             evals, final = _synthetic_run(space.suggest(trial), random.Random(f"{seed}:{trial.number}"), steps, eval_every)
-            running.append({"trial": trial, "evals": evals, "final": final, "step": 0})
+            running.append({"trial": trial, "evals": evals, "final": final, "step": 0, "peak": -math.inf})
             started += 1
         for run in list(running):
             trial, step = run["trial"], run["step"]
             if step in run["evals"]:
-                trial.report(run["evals"][step], step)
+                run["peak"] = max(run["peak"], run["evals"][step])
+                trial.report(run["peak"] if peak_metric else run["evals"][step], step)
                 if trial.should_prune():
                     trial.set_user_attr(PRUNED_AT_ATTR, step)
                     study.tell(trial, state=optuna.trial.TrialState.PRUNED)

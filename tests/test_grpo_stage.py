@@ -80,6 +80,23 @@ def test_kl_penalty_lowers_the_advantage_where_the_policy_left_its_start():
     assert counts["kl_start"] == pytest.approx(2 * 1.0 / 4)
 
 
+@pytest.mark.parametrize("metric, expected", [("eval/reward", {0: 0.4, 4: 0.2, 8: 0.3}), ("grpo/best_reward", {0: 0.4, 4: 0.4, 8: 0.4})])
+def test_a_sweep_trial_hears_the_latest_or_the_peak_held_out_reward(tmp_path, metric, expected):
+    """The reward at each eval, or the peak so far (what the stage would return): the trial's pruning metric picks."""
+    import optuna
+
+    from tbexp.study import load_study, open_storage
+
+    storage = f"sqlite:///{tmp_path}/optuna.db"
+    optuna.create_study(study_name="s", storage=open_storage(storage), direction="maximize").ask()
+    cfg = compose_config("trial.number=0", "trial.study=s", f"trial.storage={storage}", f"trial.pruning_metric={metric}")
+    evals = []
+    for step, reward in ((0, 0.4), (4, 0.2), (8, 0.3)):  # RL spoils a good start, then recovers part of it
+        evals.append({"step": step, "eval/reward": reward})
+        grpo_stage._report(cfg, evals, step)
+    assert load_study(storage, "s").trials[0].intermediate_values == expected
+
+
 @pytest.fixture(scope="module")
 def warm_start(tmp_path_factory, rootfs) -> str:
     """A checkpoint that solves the three RL tasks some of the time: a few SFT steps on their oracle turns."""

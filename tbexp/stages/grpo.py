@@ -229,7 +229,19 @@ def _evaluate(cfg: Any, out: Path, backend, state: dict, tracker: Tracker, step:
     checkpoint = state["checkpoint"] or backend.save_state(f"step-{step:05d}")
     state["evals"].append({"step": step, "checkpoint": checkpoint, **{k: metrics[k] for k in EVAL_KEYS}})
     tracker.log({k.replace("eval/", "heldout/"): metrics[k] for k in EVAL_KEYS}, step=step)
-    trial.report(cfg, "eval/reward", metrics["eval/reward"], step)  # a sweep's pruner may stop the job here
+    _report(cfg, state["evals"], step)
+
+
+def _report(cfg: Any, evals: list[dict], step: int) -> None:
+    """Tell the job's sweep trial, if any, where it stands; the sweep's pruner may stop the job here (TrialPruned).
+
+    A sweep prunes on one of two signals (its pruner.metric): eval/reward, the held-out reward at this step,
+    or grpo/best_reward, the peak so far, which is what the stage returns if it stops now. A sweep that
+    scores the chosen checkpoint (the pipeline's) wants the peak: a trial whose RL spoils a good start still
+    returns that start, and judged on its latest reward it would be stopped and its good result thrown away.
+    """
+    trial.report(cfg, "eval/reward", evals[-1]["eval/reward"], step)
+    trial.report(cfg, "grpo/best_reward", max(e["eval/reward"] for e in evals), step)
 
 
 def _drop_unless_kept(checkpoint: str, state: dict) -> None:
