@@ -156,7 +156,7 @@ def _optuna_plot(study: Any, path: Path, name: str, importance: bool = False) ->
 
 
 def _curves(best: list[Any], path: Path, metrics: list[str], objective: str) -> Path | str:
-    """The first of `metrics` that a best trial's metrics.jsonl holds over steps, for each best trial."""
+    """The first of `metrics` that a best trial's metrics.jsonl (or a stage's) holds over steps, for each best trial."""
     import matplotlib.pyplot as plt
 
     for metric in metrics:
@@ -164,7 +164,7 @@ def _curves(best: list[Any], path: Path, metrics: list[str], objective: str) -> 
         if any(len(points) > 1 for points in series.values()):
             break
     else:
-        return f"not drawn: no best trial's metrics.jsonl has any of {metrics} at more than one step"
+        return f"not drawn: no best trial's metrics.jsonl (or its stages') has any of {metrics} at more than one step"
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for t in best:
         points = series[t.number]
@@ -182,10 +182,19 @@ def _curves(best: list[Any], path: Path, metrics: list[str], objective: str) -> 
 
 
 def metric_series(job_dir: str, metric: str) -> list[tuple[float, float]]:
-    """(step, value) of `metric` in a job directory's metrics.jsonl; none if it has no such file."""
-    path = Path(job_dir) / "metrics.jsonl"
-    if not job_dir or not path.is_file():
+    """(step, value) of `metric` over steps in a job directory's metrics.jsonl, or in a stage's under it.
+
+    A pipeline job logs one row of results to its own metrics.jsonl and each
+    stage's steps to the stage's folder (grpo/metrics.jsonl); the file with
+    the most points of `metric` wins. None if no file has it.
+    """
+    if not job_dir:
         return []
+    files = [Path(job_dir) / "metrics.jsonl", *sorted(Path(job_dir).glob("*/metrics.jsonl"))]
+    return max((_series(path, metric) for path in files if path.is_file()), key=len, default=[])
+
+
+def _series(path: Path, metric: str) -> list[tuple[float, float]]:
     points = []
     for line in path.read_text().splitlines():
         try:

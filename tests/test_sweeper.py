@@ -10,6 +10,7 @@ report; hydra-submitit-launcher.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -210,6 +211,20 @@ def test_report_from_local_data(tmp_path):
         assert f"]({image})" in text and (out / image).stat().st_size > 1000, image
     assert "| 4 | FAIL |" in text and "not a finite number" in text
     assert "**Best: trial" in text
+
+
+def test_report_curves_find_a_pipeline_jobs_steps_in_its_stage_folder(tmp_path):
+    """A pipeline job's own metrics.jsonl holds one row of results; GRPO's held-out curve is in grpo/metrics.jsonl."""
+    from tbexp.report import metric_series
+
+    (tmp_path / "grpo").mkdir()
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0, "rl/eval/reward": 0.5}) + "\n")
+    (tmp_path / "grpo" / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "heldout/reward": r}) + "\n" for s, r in ((0, 0.4), (4, 0.5), (8, 0.45))))
+    (tmp_path / "sft").mkdir()
+    (tmp_path / "sft" / "metrics.jsonl").write_text(json.dumps({"step": 3, "heldout/reward": 0.1}) + "\n")
+    assert metric_series(str(tmp_path), "heldout/reward") == [(0, 0.4), (4, 0.5), (8, 0.45)]
+    assert metric_series(str(tmp_path), "rl/eval/reward") == [(0, 0.5)]
+    assert metric_series(str(tmp_path), "eval/nll") == [] and metric_series("", "heldout/reward") == []
 
 
 @pytest.mark.skipif(not os.path.isdir(Path(optuna.__file__).parents[1] / "hydra_plugins" / "hydra_submitit_launcher"), reason="hydra-submitit-launcher is not installed")
