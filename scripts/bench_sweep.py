@@ -35,8 +35,10 @@ pruning; a seed whose random best comes early scores a ratio near 1.
 `--objective` picks what the trials run:
 * `pipeline`: the real objective, `python -m tbexp -m +experiment=pipeline
   +sweep=grpo_optuna` (32 full pipeline jobs per study, 2 at a time; 2 studies
-  a seed). On this 2-core machine that is many hours; re-running the command
-  continues the studies in `--out`.
+  a seed). On this 2-core machine that is about 2-3 hours a seed; re-running
+  the command continues the studies in `--out`, and a tpe+pruning study that
+  has already matched random's best is not continued (`--full-budget` runs it
+  to its budget; only its total changes).
 * `smoke`: `+sweep=smoke` (6 trials of 20 tiny-model SFT steps, ~2.5 min a
   study here). Its reward barely moves, so it checks the plumbing, not the search.
 * `synthetic` (the default, seconds): no tbexp job at all. Optuna is driven in
@@ -84,13 +86,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs of `python -m tbexp --cfg job`")
     parser.add_argument("--trials", type=int, default=16, help="trials of the do-nothing sweep")
     parser.add_argument("--out", default="multirun/bench_sweep", help="smoke/pipeline: sweep directories and study storage (relative to the repository)")
+    parser.add_argument("--full-budget", action="store_true", help="smoke/pipeline: continue a tpe+pruning study to its budget even when it has already matched random search's best (by default it is left there: its ratio is fixed)")
     parser.add_argument("--no-run", action="store_true", help="smoke/pipeline: score the studies as they stand in --out, launching nothing (an arm still short of its budget is marked partial)")
     args = parser.parse_args()
     print(f"{os.cpu_count()} CPUs, load average {_load()} at start")
     if args.only != "efficiency":
         _overhead(args.repeats, args.trials)
     if args.only != "overhead":
-        _efficiency(args.objective, args.seeds, REPO / args.out, args.no_run)
+        _efficiency(args.objective, args.seeds, REPO / args.out, args.no_run, args.full_budget)
     print(f"load average {_load()} at the end")
 
 
@@ -133,7 +136,7 @@ def _timed(cmd: list[str]) -> tuple[float, float]:
 # --- efficiency -----------------------------------------------------------------------------------
 
 
-def _efficiency(objective: str, n_seeds: int, out: Path, no_run: bool = False) -> None:
+def _efficiency(objective: str, n_seeds: int, out: Path, no_run: bool = False, full_budget: bool = False) -> None:
     from omegaconf import OmegaConf
 
     sweep, _ = OBJECTIVES[objective]
@@ -151,7 +154,8 @@ def _efficiency(objective: str, n_seeds: int, out: Path, no_run: bool = False) -
             if objective == "synthetic":
                 studies[mode] = _synthetic_study(OmegaConf.merge(settings, MODES[mode]), seed, steps, eval_every)
             else:
-                studies[mode] = _real_study(objective, mode, seed, out, launch=not no_run)
+                done = mode != "random" and not full_budget and _matched(_real_study(objective, mode, seed, out, launch=False), studies["random"])
+                studies[mode] = _real_study(objective, mode, seed, out, launch=not (no_run or done))
         waiting = [f"{mode} not begun" for mode, study in studies.items() if study is None]
         if studies["random"] is not None and not any(value is not None for _, value in _finished(studies["random"])):
             waiting.append("random has no complete trial yet")
@@ -208,6 +212,13 @@ def _steps_to_reach(finished: list[tuple[int, float | None]], target: float, max
         if value is not None and (value >= target if maximize else value <= target):
             return spent
     return None
+
+
+def _matched(study: Any, random_study: Any) -> bool:
+    """Whether a finished trial of `study` already matches random search's best (its ratio can no longer change)."""
+    if study is None or random_study is None or not any(value is not None for _, value in _finished(random_study)):
+        return False
+    return _steps_to_reach(_finished(study), random_study.best_value, random_study.direction.name == "MAXIMIZE") is not None
 
 
 def _short_of_budget(study: Any, n_trials: int) -> bool:
