@@ -157,7 +157,7 @@ def _efficiency(objective: str, n_seeds: int, out: Path, no_run: bool = False, f
                 done = mode != "random" and not full_budget and _matched(_real_study(objective, mode, seed, out, launch=False), studies["random"])
                 studies[mode] = _real_study(objective, mode, seed, out, launch=not (no_run or done))
         waiting = [f"{mode} not begun" for mode, study in studies.items() if study is None]
-        if studies["random"] is not None and not any(value is not None for _, value in _finished(studies["random"])):
+        if studies["random"] is not None and not _complete(studies["random"]):
             waiting.append("random has no complete trial yet")
         if waiting:  # only with --no-run
             print(f"{seed:>4} ({'; '.join(waiting)})")
@@ -171,8 +171,8 @@ def _efficiency(objective: str, n_seeds: int, out: Path, no_run: bool = False, f
         ratios.append(ratio)
         tpe_reach = str(reach["tpe+pruning"]) if ratio is not None else f"not reached (>{total['tpe+pruning']})"
         shown = "-" if ratio is None else f"{ratio:.2f}"
-        tpe_best = f"{studies['tpe+pruning'].best_value:.4f}" if any(value is not None for _, value in finished["tpe+pruning"]) else "-"
-        partial = [mode for mode, study in studies.items() if _short_of_budget(study, settings.n_trials)]
+        tpe_best = f"{studies['tpe+pruning'].best_value:.4f}" if _complete(studies["tpe+pruning"]) else "-"
+        partial = [mode for mode, trials in finished.items() if len(trials) < settings.n_trials]  # as the sweeper counts: interrupted trials left out
         note = f"  PARTIAL: {', '.join(partial)} short of {settings.n_trials} trials" if partial else ""
         print(f"{seed:>4} {target:>11.4f} {reach['random']:>18} {tpe_best:>16} {tpe_reach:>23} {shown:>6} {total['random']:>8} / {total['tpe+pruning']:<6}{note}")
     reached = [r for r in ratios if r is not None]
@@ -216,16 +216,14 @@ def _steps_to_reach(finished: list[tuple[int, float | None]], target: float, max
 
 def _matched(study: Any, random_study: Any) -> bool:
     """Whether a finished trial of `study` already matches random search's best (its ratio can no longer change)."""
-    if study is None or random_study is None or not any(value is not None for _, value in _finished(random_study)):
+    if study is None or random_study is None or not _complete(random_study):
         return False
     return _steps_to_reach(_finished(study), random_study.best_value, random_study.direction.name == "MAXIMIZE") is not None
 
 
-def _short_of_budget(study: Any, n_trials: int) -> bool:
-    """Whether a study has fewer finished trials than its budget (as the sweeper counts: not those its dead sweepers left)."""
-    from tbexp.study import INTERRUPTED_ATTR
-
-    return sum(t.state.is_finished() and not t.user_attrs.get(INTERRUPTED_ATTR) for t in study.get_trials(deepcopy=False)) < n_trials
+def _complete(study: Any) -> bool:
+    """Whether the study has a COMPLETE trial, and so a best value."""
+    return any(value is not None for _, value in _finished(study))
 
 
 def _real_study(objective: str, mode: str, seed: int, out: Path, launch: bool = True) -> Any:
