@@ -177,7 +177,8 @@ def _efficiency(objective: str, n_seeds: int, out: Path, no_run: bool = False, f
         print(f"{seed:>4} {target:>11.4f} {reach['random']:>18} {tpe_best:>16} {tpe_reach:>23} {shown:>6} {total['random']:>8} / {total['tpe+pruning']:<6}{note}")
     reached = [r for r in ratios if r is not None]
     median = f", median ratio {statistics.median(reached):.2f} over those" if reached else ""
-    print(f"tpe+pruning reached random's best in {len(reached)} of {n_seeds} seeds{median}; ratio <= 0.5 (the target) in {sum(r <= 0.5 for r in reached)} of {n_seeds}; load {_load()}")
+    unscored = f" ({n_seeds - len(ratios)} not scored yet, see above)" if len(ratios) < n_seeds else ""  # only with --no-run
+    print(f"tpe+pruning reached random's best in {len(reached)} of {len(ratios)} seeds{unscored}{median}; ratio <= 0.5 (the target) in {sum(r <= 0.5 for r in reached)} of {len(ratios)}; load {_load()}")
 
 
 def _sweep_settings(sweep: str) -> Any:
