@@ -84,7 +84,7 @@ def build_report(study: Any, top: int, project: str, entity: str, group: str) ->
 
 
 def _curve_metrics(study: Any, best: list[Any]) -> list[str]:
-    """The curve metrics the best trials' metrics.jsonl hold over steps; all of them if none is on this disk (W&B may still have them)."""
+    """The curve metrics the best trials' metrics.jsonl (or their stages', see metric_series) hold over steps; all of them if none is on this disk (W&B may still have them)."""
     candidates = curve_metrics(study)
     found = [m for m in candidates if any(len(metric_series(t.user_attrs.get(JOB_DIR_ATTR, ""), m)) > 1 for t in best)]
     return found or candidates
