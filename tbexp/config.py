@@ -62,7 +62,7 @@ class BackendConfig:
     base_url: str = ""  # tinker: a Tinker-compatible server; "" = the SDK's default
     threads: int = 1  # local on CPU: torch threads; the sandboxes need the other cores. 0 = torch's default
     train_threads: int = 0  # local on CPU: torch threads during updates, when no sandbox runs; 0 = as `threads`
-    # local on GPU (see the README's GPU benchmark): all off by default, so CPU runs are unchanged
+    # local on GPU (see docs/gpu.md): all off by default, so CPU runs are unchanged
     dtype: str = ""  # "bfloat16": frozen weights in bf16, passes under autocast, trainable weights fp32
     compile: str = ""  # "inductor": torch.compile each decoder layer for training passes
     packing: bool = False  # datums joined into one row instead of padded micro-batches

@@ -1,6 +1,6 @@
 """From episodes to numbers: rewards per group, per-task rows, and the `eval/…` metrics.
 
-Definitions (the README repeats them):
+Definitions (docs/architecture.md#metrics repeats them):
 * `eval/reward`: mean reward (the `reward` config's function) over valid episodes.
 * `eval/strict_success`: share of valid episodes whose tests all passed.
 * `eval/pass@1`: for each run index r, the share of tasks solved strictly in
