@@ -253,32 +253,6 @@ def register() -> None:
     cs.store(name="base_config", node=Config)
     for group, schema in GROUPS.items():
         cs.store(group=f"schema/{group}", name=group, node=schema)
-    _allow_command_before_package_header()
-
-
-def _allow_command_before_package_header() -> None:
-    """Let a config file's first line be the command that runs it, with `# @package` after it.
-
-    Hydra reads `# @package` only from the leading `# @` lines and stops at
-    the first other comment, but our convention puts the command first. Plain
-    comment lines before the header are skipped; nothing else changes.
-    """
-    import re
-
-    from hydra.plugins.config_source import ConfigSource
-
-    original = ConfigSource._get_header_dict
-    if getattr(original, "_tbexp", False):
-        return
-
-    def header_dict(config_text: str) -> dict:
-        lines = config_text.splitlines()
-        while lines and (not lines[0].strip() or (lines[0].lstrip().startswith("#") and not re.match(r"^\s*#\s*@", lines[0]))):
-            lines.pop(0)
-        return original("\n".join(lines))
-
-    header_dict._tbexp = True
-    ConfigSource._get_header_dict = staticmethod(header_dict)
 
 
 class ConfigError(ValueError):
