@@ -9,6 +9,7 @@ point calls right after composition, before any work starts.
 
 from __future__ import annotations
 
+from tbexp.errors import TbexpError
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -255,7 +256,7 @@ def register() -> None:
         cs.store(group=f"schema/{group}", name=group, node=schema)
 
 
-class ConfigError(ValueError):
+class ConfigError(TbexpError, ValueError):
     """A composed config whose values are well typed but unusable."""
 
 
