@@ -15,7 +15,8 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from tbexp.config import ConfigError, check, register
+from tbexp.config import check, register
+from tbexp.errors import TbexpError
 from tbexp.launchers import assign_local_job_gpus
 from tbexp.tracking import job_run, note_result
 
@@ -28,15 +29,7 @@ log = logging.getLogger("tbexp")
 
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> float:
-    from tbexp.backends.tinker_backend import BackendError
-    from tbexp.models import ModelLoadError
-    from tbexp.policies import PolicyError
-    from tbexp.renderers import RendererError
-    from tbexp.sandboxes.base import SandboxError
-    from tbexp.sandboxes.dockerfile import DockerfileError
-    from tbexp.tasks import TaskError
     from tbexp.trial import TrialPruned
-    from tbexp.trajectories import DataError
 
     try:
         check(cfg)
@@ -46,7 +39,7 @@ def main(cfg: DictConfig) -> float:
         with job_run(cfg):  # the job's one W&B / Trackio run, if logger says so
             metrics = stage.run(cfg)
             note_result(metrics)  # the W&B report reads a sweep's objective from the runs' summaries
-    except (ConfigError, TaskError, PolicyError, SandboxError, DockerfileError, DataError, ModelLoadError, RendererError, BackendError) as err:
+    except TbexpError as err:  # bad input or a missing service: its message names the file or key
         print(f"tbexp: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     except TrialPruned as stop:  # the sweep's pruner ended this trial (already marked PRUNED in the study)

@@ -9,14 +9,93 @@ point calls right after composition, before any work starts.
 
 from __future__ import annotations
 
+from tbexp.errors import TbexpError
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-STAGES_IMPLEMENTED = ("eval", "collect", "sft", "filter", "grpo", "pipeline")
-POLICIES = ("oracle", "nop", "model")
+
+
+# The string choices. A StrEnum compares equal to its value and formats as it, so `cfg.policy == "model"` and
+# f"{cfg.stage.name}" read as before; OmegaConf refuses any other value, naming the key and the choices.
+class Stage(StrEnum):
+    eval = "eval"
+    collect = "collect"
+    sft = "sft"
+    filter = "filter"
+    grpo = "grpo"
+    pipeline = "pipeline"
+
+
+class Policy(StrEnum):
+    oracle = "oracle"
+    nop = "nop"
+    model = "model"
+
+
+class Split(StrEnum):
+    train = "train"
+    heldout = "heldout"
+
+
+class TaskSource(StrEnum):
+    builtin = "builtin"
+    dir = "dir"
+
+
+class FilterName(StrEnum):
+    solve_rate = "solve_rate"
+    none = "none"
+
+
+class RewardName(StrEnum):
+    binary = "binary"
+    per_test = "per_test"
+    per_test_efficiency = "per_test_efficiency"
+
+
+class BackendName(StrEnum):
+    local = "local"
+    tinker = "tinker"
+
+
+class LoggerName(StrEnum):
+    none = "none"
+    wandb = "wandb"
+    trackio = "trackio"
+
+
+class Schedule(StrEnum):
+    cosine = "cosine"
+    linear = "linear"
+    constant = "constant"
+
+
+class Overlong(StrEnum):
+    drop = "drop"
+    truncate = "truncate"
+
+
+class RLLoss(StrEnum):
+    importance_sampling = "importance_sampling"
+    ppo = "ppo"
+
+
+class Normalize(StrEnum):
+    token = "token"
+    episode = "episode"
+
+
+class PipelinePart(StrEnum):
+    collect = "collect"
+    sft = "sft"
+    filter = "filter"
+    grpo = "grpo"
+    eval = "eval"
+
 
 
 @dataclass
@@ -35,29 +114,29 @@ class ModelConfig:
 
 @dataclass
 class StageConfig:
-    name: str = "eval"  # which stage `python -m tbexp` runs
+    name: Stage = Stage.eval  # which stage `python -m tbexp` runs
 
 
 @dataclass
 class RewardConfig:
-    name: str = "per_test"  # binary | per_test | per_test_efficiency
+    name: RewardName = RewardName.per_test
     tests_weight: float = 0.8  # per_test_efficiency: weight of the per-test fraction
     efficiency_weight: float = 0.2  # per_test_efficiency: weight of the bonus for faster successes
 
 
 @dataclass
 class TaskFilterConfig:
-    name: str = "solve_rate"  # solve_rate | none
+    name: FilterName = FilterName.solve_rate
     lower: float = 0.1  # keep tasks with strict solve rate >= lower
     upper: float = 0.8  # ... and <= upper
     k: int = 8  # samples per candidate task
-    split: str = "train"  # where the candidate RL tasks come from
+    split: Split = Split.train  # where the candidate RL tasks come from
     max_tasks: int = 0  # sample only this many candidates (seeded, across families); 0 = all
 
 
 @dataclass
 class BackendConfig:
-    name: str = "local"  # local | tinker
+    name: BackendName = BackendName.local
     device: str = "auto"  # local: cpu | cuda | auto
     base_url: str = ""  # tinker: a Tinker-compatible server; "" = the SDK's default
     threads: int = 1  # local on CPU: torch threads; the sandboxes need the other cores. 0 = torch's default
@@ -73,13 +152,13 @@ class BackendConfig:
 
 @dataclass
 class TasksConfig:
-    source: str = "builtin"  # builtin | dir (a Harbor dataset directory)
+    source: TaskSource = TaskSource.builtin  # dir: a Harbor dataset directory
     path: str = ""  # source=dir: directory of task directories
     cache_dir: str = "${oc.env:TBEXP_CACHE,${oc.env:HOME}/.cache/tbexp}/tasks"
     seed: int = 0  # builtin: generation seed
     train_per_family: int = 40
     heldout_per_family: int = 4
-    split: str = "heldout"  # builtin: train | heldout
+    split: Split = Split.heldout  # builtin
     families: list[str] = field(default_factory=list)  # [] = all
     limit: int = 0  # first N tasks after sorting; 0 = all
     rl_share: float = 0.0  # builtin: share of each family's train tasks kept for RL only; SFT never sees their solutions
@@ -110,7 +189,7 @@ class AgentConfig:
 
 @dataclass
 class LoggerConfig:
-    name: str = "none"  # none | wandb | trackio; metrics.jsonl in the run directory is always written
+    name: LoggerName = LoggerName.none  # metrics.jsonl in the run directory is always written
     project: str = "tbexp"
     group: str = ""  # "" = the study's name in a sweep, else the experiment's, else the stage's
     entity: str = ""  # wandb: team or user; "" = the account's default
@@ -141,12 +220,12 @@ class SFTConfig:
     steps: int = 150  # optimizer steps
     batch_size: int = 16  # conversations per step
     learning_rate: float = 3e-3
-    lr_schedule: str = "cosine"  # cosine | linear | constant, after warmup
+    lr_schedule: Schedule = Schedule.cosine  # after warmup
     warmup_steps: int = 10
     weight_decay: float = 0.0
     grad_clip_norm: float = 1.0  # 0 = off
     max_length_tokens: int = 0  # longer conversations are dropped or truncated; 0 = model.max_length_tokens
-    overlong: str = "drop"  # drop | truncate
+    overlong: Overlong = Overlong.drop
     val_fraction: float = 0.1  # share of conversations held out for eval NLL
     eval_every: int = 25  # steps between held-out NLL evaluations (each saves a checkpoint)
     patience: int = 3  # stop after this many evaluations without improvement; 0 = never stop early
@@ -162,18 +241,18 @@ class GRPOConfig:
     group_size: int = 16  # episodes per task, each in a fresh sandbox
     temperature: float = 0.7  # rollouts; eval uses sampling.temperature
     learning_rate: float = 1.0e-3
-    lr_schedule: str = "constant"  # cosine | linear | constant, after warmup
+    lr_schedule: Schedule = Schedule.constant  # after warmup
     warmup_steps: int = 0
     weight_decay: float = 0.0
     grad_clip_norm: float = 1.0  # 0 = off
-    loss_fn: str = "importance_sampling"  # importance_sampling | ppo
+    loss_fn: RLLoss = RLLoss.importance_sampling
     clip_low_threshold: float = 0.8  # ppo: ratio bounds
     clip_high_threshold: float = 1.2
     scale_by_std: bool = False  # advantage = (reward - group mean) / group std
     negative_weight: float = 1.0  # scales below-mean advantages; 1 = plain GRPO, 0 = learn from above-mean episodes only
     logit_scale_lr_factor: float = 100.0  # with model.logit_scale: its lr = learning_rate x this (one number moves ~lr an Adam step)
     updates_per_step: int = 1  # optimizer steps on each step's samples (use ppo for more than 1)
-    normalize: str = "token"  # token: loss = mean over the step's sampled tokens | episode: mean over episodes of their token means
+    normalize: Normalize = Normalize.token  # token: loss = mean over the step's sampled tokens | episode: mean over episodes of their token means
     kl_coef: float = 0.0  # penalty on log(pi/pi_start) of the sampled tokens; 0 = off
     concurrency: int = 8  # episodes at once
     eval_every: int = 5  # steps between held-out evals (each keeps its checkpoint); the start is evaluated too
@@ -183,14 +262,14 @@ class GRPOConfig:
 
 @dataclass
 class PipelineConfig:
-    stages: list[str] = field(default_factory=lambda: ["collect", "sft", "filter", "grpo", "eval"])
+    stages: list[PipelinePart] = field(default_factory=lambda: list(PipelinePart))
     cache_sft: bool = True  # SFT results are shared by content hash (a sweep's trials with one SFT setting train once)
     cache_evals: bool = True  # so are the base and SFT rows' held-out evals (scored once per SFT setting)
 
 
 @dataclass
 class CollectConfig:
-    split: str = "train"  # which built-in split to collect on
+    split: Split = Split.train  # which built-in split to collect on
     n_runs: int = 1  # episodes per task; only verified successes are kept
     concurrency: int = 4
     data: str = ""  # where to write the jsonl; "" = trajectories.jsonl in the run directory
@@ -226,7 +305,7 @@ class Config:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     trial: TrialConfig = field(default_factory=TrialConfig)  # filled in by the sweeper
     load_checkpoint: str = ""  # a checkpoint directory (local) or tinker:// URI for policy=model; "" = the base model
-    policy: str = "oracle"  # oracle | nop | model (model needs a training backend)
+    policy: Policy = Policy.oracle  # model needs a training backend
     seed: int = 0
 
 
@@ -253,47 +332,16 @@ def register() -> None:
     cs.store(name="base_config", node=Config)
     for group, schema in GROUPS.items():
         cs.store(group=f"schema/{group}", name=group, node=schema)
-    _allow_command_before_package_header()
 
 
-def _allow_command_before_package_header() -> None:
-    """Let a config file's first line be the command that runs it, with `# @package` after it.
-
-    Hydra reads `# @package` only from the leading `# @` lines and stops at
-    the first other comment, but our convention puts the command first. Plain
-    comment lines before the header are skipped; nothing else changes.
-    """
-    import re
-
-    from hydra.plugins.config_source import ConfigSource
-
-    original = ConfigSource._get_header_dict
-    if getattr(original, "_tbexp", False):
-        return
-
-    def header_dict(config_text: str) -> dict:
-        lines = config_text.splitlines()
-        while lines and (not lines[0].strip() or (lines[0].lstrip().startswith("#") and not re.match(r"^\s*#\s*@", lines[0]))):
-            lines.pop(0)
-        return original("\n".join(lines))
-
-    header_dict._tbexp = True
-    ConfigSource._get_header_dict = staticmethod(header_dict)
-
-
-class ConfigError(ValueError):
+class ConfigError(TbexpError, ValueError):
     """A composed config whose values are well typed but unusable."""
 
 
 def check(cfg: Any) -> None:
-    """Refuse values no stage could run with, naming the key."""
-    if cfg.stage.name not in STAGES_IMPLEMENTED:
-        raise ConfigError(f"stage.name={cfg.stage.name!r}: implemented stages are {list(STAGES_IMPLEMENTED)}")
-    if cfg.policy not in POLICIES:
-        raise ConfigError(f"policy={cfg.policy!r}: choose one of {list(POLICIES)}")
+    """Refuse values no stage could run with, naming the key: ranges and rules across fields (the schema's
+    types and enums have already refused a wrong type or an unknown choice at composition)."""
     f = cfg.task_filter
-    if f.name not in ("solve_rate", "none"):
-        raise ConfigError(f"task_filter.name={f.name!r}: choose solve_rate or none")
     if not (0.0 <= f.lower <= 1.0 and 0.0 <= f.upper <= 1.0):
         raise ConfigError(f"task_filter.lower={f.lower}, task_filter.upper={f.upper}: bounds must lie in [0, 1]")
     if f.lower >= f.upper:
@@ -306,19 +354,10 @@ def check(cfg: Any) -> None:
     for key, value in (("backend.threads", cfg.backend.threads), ("backend.train_threads", cfg.backend.train_threads)):
         if value < 0:
             raise ConfigError(f"{key}={value}: must be >= 0 (0 = the default)")
-    if cfg.tasks.source not in ("builtin", "dir"):
-        raise ConfigError(f"tasks.source={cfg.tasks.source!r}: choose builtin or dir")
     if not 0.0 <= cfg.tasks.rl_share < 1.0:
         raise ConfigError(f"tasks.rl_share={cfg.tasks.rl_share}: must lie in [0, 1)")
     if cfg.tasks.source == "dir" and not cfg.tasks.path:
         raise ConfigError("tasks.source=dir needs tasks.path=<directory of Harbor task directories>")
-    for key, split in (("tasks.split", cfg.tasks.split), ("collect.split", cfg.collect.split), ("task_filter.split", cfg.task_filter.split)):
-        if split not in ("train", "heldout"):
-            raise ConfigError(f"{key}={split!r}: choose train or heldout")
-    if cfg.sft.lr_schedule not in ("cosine", "linear", "constant"):
-        raise ConfigError(f"sft.lr_schedule={cfg.sft.lr_schedule!r}: choose cosine, linear or constant")
-    if cfg.sft.overlong not in ("drop", "truncate"):
-        raise ConfigError(f"sft.overlong={cfg.sft.overlong!r}: choose drop or truncate")
     if not 0.0 < cfg.sft.val_fraction < 1.0:
         raise ConfigError(f"sft.val_fraction={cfg.sft.val_fraction}: must lie strictly between 0 and 1")
     for key, value in (("sft.steps", cfg.sft.steps), ("sft.batch_size", cfg.sft.batch_size), ("sft.eval_every", cfg.sft.eval_every)):
@@ -330,20 +369,9 @@ def check(cfg: Any) -> None:
             raise ConfigError(f"{key}={value}: must be at least 1")
     if g.group_size < 2:
         raise ConfigError(f"grpo.group_size={g.group_size}: a group needs at least 2 episodes to compare")
-    if g.loss_fn not in ("importance_sampling", "ppo"):
-        raise ConfigError(f"grpo.loss_fn={g.loss_fn!r}: choose importance_sampling or ppo")
     if not 0.0 < g.clip_low_threshold < 1.0 < g.clip_high_threshold:
         raise ConfigError(f"grpo.clip_low_threshold={g.clip_low_threshold}, grpo.clip_high_threshold={g.clip_high_threshold}: need low < 1 < high")
-    if g.normalize not in ("token", "episode"):
-        raise ConfigError(f"grpo.normalize={g.normalize!r}: choose token or episode")
     if not 0.0 <= g.negative_weight <= 1.0:
         raise ConfigError(f"grpo.negative_weight={g.negative_weight}: must lie in [0, 1] (0 keeps only the above-mean episodes)")
     if g.logit_scale_lr_factor < 0:
         raise ConfigError(f"grpo.logit_scale_lr_factor={g.logit_scale_lr_factor}: must be >= 0 (0 keeps the logit scale where it starts)")
-    if g.lr_schedule not in ("cosine", "linear", "constant"):
-        raise ConfigError(f"grpo.lr_schedule={g.lr_schedule!r}: choose cosine, linear or constant")
-    unknown = [s for s in cfg.pipeline.stages if s not in ("collect", "sft", "filter", "grpo", "eval")]
-    if unknown:
-        raise ConfigError(f"pipeline.stages has {unknown}: choose from collect, sft, filter, grpo, eval")
-    if cfg.reward.name not in ("binary", "per_test", "per_test_efficiency"):
-        raise ConfigError(f"reward.name={cfg.reward.name!r}: choose binary, per_test or per_test_efficiency")

@@ -12,6 +12,7 @@ on an episode uses the sampled tokens, never a re-tokenised copy.
 
 from __future__ import annotations
 
+from tbexp.errors import TbexpError
 import shlex
 import threading
 import time
@@ -34,7 +35,7 @@ class EpisodePolicy(Protocol):
     def act(self, messages: list[dict[str, str]]) -> str: ...
 
 
-class PolicyError(RuntimeError):
+class PolicyError(TbexpError, RuntimeError):
     """A policy that cannot act on this task (e.g. the oracle without a solution)."""
 
 

@@ -31,10 +31,11 @@ that every assistant turn keeps the tokens it was sampled with:
 
 from __future__ import annotations
 
+from tbexp.errors import TbexpError
 from typing import Any
 
 
-class RendererError(ValueError):
+class RendererError(TbexpError, ValueError):
     """A renderer that cannot work with this tokenizer, or messages it cannot render."""
 
 

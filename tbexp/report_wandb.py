@@ -22,6 +22,7 @@ What it simplifies:
 
 from __future__ import annotations
 
+from tbexp.errors import TbexpError
 import io
 import os
 import sys
@@ -33,7 +34,7 @@ from tbexp.study import JOB_DIR_ATTR, OBJECTIVE_ATTR
 from tbexp.tracking import run_name
 
 
-class WandbUnavailable(Exception):
+class WandbUnavailable(TbexpError):
     """No W&B Report could be made; the message is one line that says what to set."""
 
 

@@ -22,13 +22,14 @@ the line number, before any training starts.
 
 from __future__ import annotations
 
+from tbexp.errors import TbexpError
 import json
 import os
 from pathlib import Path
 from typing import Any
 
 
-class DataError(ValueError):
+class DataError(TbexpError, ValueError):
     """An unusable SFT data file; the message names the file and line."""
 
 

@@ -11,6 +11,7 @@ produced neither is broken, which makes the episode invalid (not a 0).
 
 from __future__ import annotations
 
+from tbexp.errors import TbexpError
 import json
 import math
 import tempfile
@@ -24,7 +25,7 @@ from tbexp.tasks.harbor_task import Task
 PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
 
 
-class VerifierError(RuntimeError):
+class VerifierError(TbexpError, RuntimeError):
     """The tests could not be run or produced no result."""
 
 

@@ -27,8 +27,8 @@ def test_oracle_eval_study_through_a_sweep_file_on_the_search_path(tmp_path, roo
     """A sweep file outside sweeps/ (hydra.searchpath), over a harmless key; every trial scores the oracle."""
     (tmp_path / "extra" / "sweep").mkdir(parents=True)
     (tmp_path / "extra" / "sweep" / "oracle_eval.yaml").write_text(textwrap.dedent("""\
-        # python -m tbexp -m hydra.searchpath=[file://DIR] +sweep=oracle_eval
         # @package _global_
+        # python -m tbexp -m hydra.searchpath=[file://DIR] +sweep=oracle_eval
         defaults:
           - override /stage: eval
           - override /hydra/sweeper: tbexp_optuna

@@ -126,10 +126,17 @@ def test_median_pruning_ends_jobs_early(tmp_path):
 
 def test_hyperband_pruner_is_rebuilt_in_the_jobs(tmp_path):
     storage = str(tmp_path / "studies.journal")
-    sweep(tmp_path, "hydra.sweeper.n_trials=6", "steps=4", "hydra.sweeper.pruner.name=hyperband", "hydra.sweeper.pruner.max_resource=4", "hydra.sweeper.pruner.reduction_factor=2", storage=storage)
+    sweep(tmp_path, "hydra.sweeper.n_trials=8", "steps=4", "hydra.sweeper.pruner.name=hyperband", "hydra.sweeper.pruner.max_resource=4", "hydra.sweeper.pruner.reduction_factor=2", storage=storage)
     study = load(storage)
     assert study.user_attrs["tbexp:pruner"]["name"] == "hyperband"
     assert all(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in study.trials)
+    # Random search (seed 0) draws trials 3-7 worse than an earlier one of their bracket: successive halving stops
+    # them at a rung (steps 1 or 2 of 0-3), in the job that reported the value; a pruner that never prunes fails here.
+    pruned = [t for t in study.trials if t.state == TrialState.PRUNED]
+    assert len(pruned) >= 2, [(t.number, t.state.name, len(t.intermediate_values)) for t in study.trials]
+    for t in pruned:
+        assert t.last_step in (1, 2) and t.user_attrs[PRUNED_AT_ATTR] == t.last_step
+    assert all(len(t.intermediate_values) == 4 for t in study.trials if t.state == TrialState.COMPLETE)
 
 
 def test_killed_sweeper_resumes_without_losing_or_repeating_trials(tmp_path):

@@ -11,6 +11,7 @@ Checkpoints are `tinker://` URIs; a run resumes from one with its optimizer.
 
 from __future__ import annotations
 
+from tbexp.errors import TbexpError
 import os
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -23,7 +24,7 @@ ATTENTION = {"q_proj", "k_proj", "v_proj", "o_proj"}
 MLP = {"gate_proj", "up_proj", "down_proj", "mlp", "experts"}
 
 
-class BackendError(RuntimeError):
+class BackendError(TbexpError, RuntimeError):
     """A backend that cannot start with these settings; the message says what to change."""
 
 

@@ -12,13 +12,14 @@ minute first).
 
 from __future__ import annotations
 
+from tbexp.errors import TbexpError
 from pathlib import Path
 from typing import Any
 
 TINY_DIR = Path(__file__).resolve().parent / "tiny"
 
 
-class ModelLoadError(RuntimeError):
+class ModelLoadError(TbexpError, RuntimeError):
     """A model that cannot be loaded; the message says what to set."""
 
 

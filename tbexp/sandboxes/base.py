@@ -10,6 +10,7 @@ crash are all part of the `ExecResult`), only for a broken sandbox
 
 from __future__ import annotations
 
+from tbexp.errors import TbexpError
 import abc
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,7 @@ TIMEOUT_EXIT = 124  # what coreutils' timeout(1) returns; used for every kill on
 OUTPUT_LIMIT_EXIT = 125  # the command was killed because it printed more than allowed
 
 
-class SandboxError(RuntimeError):
+class SandboxError(TbexpError, RuntimeError):
     """The sandbox itself failed (not the command run in it)."""
 
 

@@ -10,12 +10,13 @@ silently giving the agent a different environment.
 
 from __future__ import annotations
 
+from tbexp.errors import TbexpError
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
 
-class DockerfileError(ValueError):
+class DockerfileError(TbexpError, ValueError):
     """A Dockerfile this sandbox cannot reproduce; the message names the line."""
 
 

@@ -9,12 +9,13 @@ Harbor understands is lost.
 
 from __future__ import annotations
 
+from tbexp.errors import TbexpError
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 
-class TaskError(ValueError):
+class TaskError(TbexpError, ValueError):
     """A task directory that cannot be used; the message names the file."""
 
 
