@@ -34,7 +34,6 @@ import io
 import math
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,6 +47,9 @@ os.environ.setdefault("HARBOR_TELEMETRY", "0")  # a Job reports usage unless tol
 os.environ.setdefault("TQDM_DISABLE", "1")  # run_episodes' progress bar would interleave with the table
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))  # run as a file or imported: the suite runner beside it
+
+from conformance import docker_unavailable  # noqa: E402
 
 EPISODES_PER_S_TARGET = {"bwrap": 8.0, "docker": 3.0}
 START_P50_TARGET_MS = {"bwrap": 20.0}
@@ -87,7 +89,7 @@ def main() -> None:
     )
     for name in args.sandboxes:
         print(f"\n== {name} ==")
-        why_not = _docker_unavailable() if name == "docker" else ""
+        why_not = docker_unavailable() if name == "docker" else ""
         if why_not:
             print(f"docker skipped: {why_not}")
             continue
@@ -355,27 +357,6 @@ def _percentile(values: list[float], q: float) -> float:
 
 def _verdict(ok: bool) -> str:
     return "met" if ok else "MISSED"
-
-
-def _docker_unavailable() -> str:
-    """Why Docker cannot be benchmarked here, or "" when it can."""
-    try:
-        import tbexp.sandboxes.docker  # noqa: F401
-    except ImportError as err:
-        return f"tbexp.sandboxes.docker cannot be imported ({err})"
-    for script in ("start_dockerd.sh", "build_base_image.sh"):
-        path = REPO / "scripts" / script
-        if path.exists():
-            done = subprocess.run(["bash", str(path)], capture_output=True, text=True)
-            if done.returncode != 0:
-                return f"scripts/{script} failed: {done.stderr.strip()[-300:]}"
-    try:
-        answer = subprocess.run(["docker", "info"], capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired) as err:
-        return f"the Docker engine does not answer ({err})"
-    if answer.returncode != 0:
-        return f"the Docker engine does not answer: {answer.stderr.strip()[-300:]}"
-    return ""
 
 
 if __name__ == "__main__":
