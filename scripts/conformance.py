@@ -12,12 +12,14 @@ Terminal-Bench 1) saying which published convention it exercises and what must c
     expect = "scored"                   # scored | unrunnable (e.g. a build that fails)
     oracle_reward = 1.0                 # per-test reward the oracle must get (needed when scored)
     nop_reward = 0.0                    # per-test reward the do-nothing policy gets
+    unrunnable_reason = "build failed"  # optional, with expect = "unrunnable": a regex the reason must match
 
 tbexp's numbers come from its own eval stage, run as a user runs it
-(`python -m tbexp stage=eval tasks=dir policy=oracle|nop sandbox=…`, one run per sandbox and
-policy over the whole suite, from its `tasks.csv` and episode records), so they are what a user
+(`python -m tbexp stage=eval tasks=dir eval.candidates=[oracle,nop] sandbox=…`, one run per
+sandbox over the whole suite, from each candidate's `tasks.csv` and episode records), so they are what a user
 would see, not a re-implementation. When such a run cannot finish (a task that cannot be
-loaded may abort the set), each task is run on its own so the rest still get numbers. A task
+loaded may abort the set), it runs again without the task its error names, or else task by
+task, so the rest still get numbers. A task
 the stage could not load, or whose every episode is invalid, counts as *unrunnable*, with the
 reason. With `--harbor`, Harbor's own `Trial` (its `oracle` and `nop` agents, its verifier) runs
 the same tasks on the same sandboxes through `tbexp.harbor_env`; its per-test fraction is read
@@ -36,6 +38,7 @@ import csv
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -65,6 +68,7 @@ class Expectation:
     expect: str  # scored | unrunnable
     oracle_reward: float | None = None
     nop_reward: float | None = None
+    unrunnable_reason: str = ""  # a regex (case-insensitive) the reason must match; "" = any reason
 
     @property
     def oracle_strict(self) -> float | None:
@@ -97,7 +101,7 @@ def read_expectation(task_dir: Path) -> Expectation:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as err:
         raise ConformanceError(f"{path}: broken TOML: {err}") from err
-    known = {"convention", "expect", "oracle_reward", "nop_reward"}
+    known = {"convention", "expect", "oracle_reward", "nop_reward", "unrunnable_reason"}
     if unknown := sorted(set(data) - known):
         raise ConformanceError(f"{path}: unknown key(s) {unknown}; allowed: {sorted(known)}")
     for key in ("convention", "expect"):
@@ -113,9 +117,16 @@ def read_expectation(task_dir: Path) -> Expectation:
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1):
             raise ConformanceError(f"{path}: {key} = {value!r}; must be a number in [0, 1]")
         rewards[key] = None if value is None else float(value)
+    reason = data.get("unrunnable_reason", "")
+    if reason and data["expect"] != UNRUNNABLE:
+        raise ConformanceError(f"{path}: unrunnable_reason is only for expect = \"unrunnable\"")
+    try:
+        re.compile(reason)
+    except (re.error, TypeError) as err:
+        raise ConformanceError(f"{path}: unrunnable_reason = {reason!r}: not a regular expression ({err})") from err
     if not any((task_dir / name).is_file() for name in ("task.toml", "task.yaml")):
         raise ConformanceError(f"{task_dir}: holds conformance.toml but neither task.toml nor task.yaml")
-    return Expectation(task_dir.name, task_dir.resolve(), data["convention"].strip(), data["expect"], **rewards)
+    return Expectation(task_dir.name, task_dir.resolve(), data["convention"].strip(), data["expect"], **rewards, unrunnable_reason=reason)
 
 
 def load_suite(root: Path, only: list[str] | None = None) -> list[Expectation]:
@@ -147,18 +158,35 @@ def task_names(expectation: Expectation) -> set[str]:
 # ---------------------------------------------------------------- tbexp: its own eval stage
 
 
-def run_tbexp(suite: list[Expectation], sandbox: str, policy: str, out: Path, overrides: list[str], concurrency: int) -> dict[str, Score]:
-    """Scores of `policy` on every task, from the eval stage run over the whole suite (or task by task)."""
-    dataset = _dataset(out / "datasets" / "all", suite)
-    run = out / "runs" / f"{sandbox}-{policy}"
-    done = _eval_stage(dataset, run, sandbox, policy, overrides, concurrency)
-    if (run / "tasks.csv").is_file():
-        return _scores_from_run(suite, run, done)
-    print(f"  {sandbox}/{policy}: the run over the suite stopped ({_last_error(done)}); running each task on its own", flush=True)
-    scores = {}
-    for e in suite:
-        one = run.parent / f"{sandbox}-{policy}-{e.name}"
-        alone = _eval_stage(_dataset(out / "datasets" / e.name, [e]), one, sandbox, policy, overrides, concurrency)
+def run_tbexp(suite: list[Expectation], sandbox: str, out: Path, overrides: list[str], concurrency: int) -> dict[tuple[str, str], Score]:
+    """{(task, policy): Score} for the oracle and nop, from one eval-stage run over the whole suite.
+
+    Both policies are the eval stage's candidates (`eval.candidates=[oracle,nop]`), so one process
+    scores both. A run that stops before its tables (today one task that cannot be loaded ends
+    the set) is run again without the task its error names, that task being unrunnable for that
+    reason; an error that names no task makes each task run on its own.
+    """
+    scores: dict[tuple[str, str], Score] = {}
+    left = list(suite)
+    while left:
+        dataset = _dataset(out / "datasets" / sandbox, left)
+        run = out / "runs" / sandbox
+        done = _eval_stage(dataset, run, sandbox, overrides, concurrency)
+        if all(_tables(run).values()):
+            return {**scores, **_scores_from_run(left, run, done)}
+        error = _last_error(done)
+        culprit = next((e for e in left if f"{dataset}/{e.name}/" in error or error.rstrip(":").endswith(f"{dataset}/{e.name}")), None)
+        if culprit is None:
+            break
+        print(f"  {sandbox}: the run stopped at {culprit.name} ({error}); the rest run again", flush=True)
+        scores.update({(culprit.name, policy): Score(unrunnable=error) for policy in POLICIES})
+        left.remove(culprit)
+    if not left:
+        return scores
+    print(f"  {sandbox}: the run stopped ({_last_error(done)}); running each task on its own", flush=True)
+    for e in left:
+        one = out / "runs" / f"{sandbox}-{e.name}"
+        alone = _eval_stage(_dataset(out / "datasets" / f"{sandbox}-{e.name}", [e]), one, sandbox, overrides, concurrency)
         scores.update(_scores_from_run([e], one, alone))
     return scores
 
@@ -173,14 +201,14 @@ def _dataset(folder: Path, suite: list[Expectation]) -> Path:
     return folder
 
 
-def _eval_stage(dataset: Path, run: Path, sandbox: str, policy: str, overrides: list[str], concurrency: int) -> subprocess.CompletedProcess:
+def _eval_stage(dataset: Path, run: Path, sandbox: str, overrides: list[str], concurrency: int) -> subprocess.CompletedProcess:
     if run.exists():
         shutil.rmtree(run)
     run.mkdir(parents=True)
     argv = [
-        sys.executable, "-m", "tbexp", "stage=eval", f"policy={policy}", "tasks=dir", f"tasks.path={dataset}",
-        f"sandbox={sandbox}", "eval.n_runs=1", f"eval.concurrency={concurrency}", "eval.save_episodes=100000",
-        "logger=none", f"hydra.run.dir={run}", *overrides,
+        sys.executable, "-m", "tbexp", "stage=eval", f"eval.candidates=[{','.join(POLICIES)}]", "tasks=dir",
+        f"tasks.path={dataset}", f"sandbox={sandbox}", "eval.n_runs=1", f"eval.concurrency={concurrency}",
+        "eval.save_episodes=100000", "logger=none", f"hydra.run.dir={run}", *overrides,
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
     env.setdefault("TQDM_DISABLE", "1")
@@ -192,24 +220,36 @@ def _eval_stage(dataset: Path, run: Path, sandbox: str, policy: str, overrides: 
     return done
 
 
-def _scores_from_run(suite: list[Expectation], run: Path, done: subprocess.CompletedProcess) -> dict[str, Score]:
-    rows = {r["task"]: r for r in csv.DictReader((run / "tasks.csv").open())} if (run / "tasks.csv").is_file() else {}
-    invalid = _invalid_reasons(run / "episodes")
+def _tables(run: Path) -> dict[str, Path | None]:
+    """Each policy's folder of the run (`candidates/NN-<policy>/`, holding tasks.csv), or None where it is missing."""
+    found = {}
+    for policy in POLICIES:
+        folders = sorted(run.glob(f"candidates/*-{policy}"))
+        found[policy] = folders[0] if folders and (folders[0] / "tasks.csv").is_file() else None
+    return found
+
+
+def _scores_from_run(suite: list[Expectation], run: Path, done: subprocess.CompletedProcess) -> dict[tuple[str, str], Score]:
     scores = {}
-    for e in suite:
-        name = next((n for n in task_names(e) if n in rows), None)
-        if name is None:
-            scores[e.name] = Score(unrunnable=_why_missing(e, done))
-            continue
-        row = rows[name]
-        runs, n_invalid = int(row["runs"]), int(row["invalid"])
-        if n_invalid == runs:
-            scores[e.name] = Score(unrunnable=invalid.get(name, "every episode invalid"))
-        elif n_invalid:  # scored on the valid runs, but an invalid episode of a scorable task is a failure too
-            scores[e.name] = Score(unrunnable=f"{n_invalid} of {runs} episodes invalid: {invalid.get(name, '?')}")
-        else:
-            scores[e.name] = Score(per_test=float(row["reward"]), strict=int(row["strict"]) / runs)
+    for policy, folder in _tables(run).items():
+        rows = {r["task"]: r for r in csv.DictReader((folder / "tasks.csv").open())} if folder else {}
+        invalid = _invalid_reasons(folder / "episodes") if folder else {}
+        for e in suite:
+            scores[(e.name, policy)] = _score(e, rows, invalid, done)
     return scores
+
+
+def _score(e: Expectation, rows: dict[str, dict], invalid: dict[str, str], done: subprocess.CompletedProcess) -> Score:
+    name = next((n for n in task_names(e) if n in rows), None)
+    if name is None:
+        return Score(unrunnable=_why_missing(e, done))
+    row = rows[name]
+    runs, n_invalid = int(row["runs"]), int(row["invalid"])
+    if n_invalid == runs:
+        return Score(unrunnable=invalid.get(name, "every episode invalid"))
+    if n_invalid:  # scored on the valid runs, but an invalid episode of a scorable task is a failure too
+        return Score(unrunnable=f"{n_invalid} of {runs} episodes invalid: {invalid.get(name, '?')}")
+    return Score(per_test=float(row["reward"]), strict=int(row["strict"]) / runs)
 
 
 def _invalid_reasons(episodes: Path) -> dict[str, str]:
@@ -335,6 +375,8 @@ def check_row(e: Expectation, sandbox: str, scores: dict[str, Score]) -> Row:
             row.checks += 1
             if not score.unrunnable:
                 row.failures.append(f"{who}: expected unrunnable, got scored (per-test {score.per_test:.3f})")
+            elif not re.search(e.unrunnable_reason, score.unrunnable, re.IGNORECASE):
+                row.failures.append(f"{who}: unrunnable, but not for /{e.unrunnable_reason}/: {score.unrunnable}")
             continue
         if score.unrunnable:
             row.checks += 1 + (policy == "oracle")
@@ -386,6 +428,15 @@ def render_markdown(lines: list[list[str]]) -> str:
     return "\n".join(["| " + " | ".join(cells[0]) + " |", "|" + "---|" * len(cells[0]), *("| " + " | ".join(c) + " |" for c in cells[1:])])
 
 
+def failure_lines(rows: list[Row]) -> list[str]:
+    return [f"{r.task} ({r.sandbox}): {f}" for r in rows for f in r.failures]
+
+
+def reason_lines(rows: list[Row]) -> list[str]:
+    """Why each expected-unrunnable task was unrunnable: a reader checks it is the reason meant."""
+    return [f"{r.task} ({r.sandbox}) {key}: {s.unrunnable}" for r in rows if r.expect == UNRUNNABLE for key, s in r.scores.items() if s.unrunnable]
+
+
 def summary_line(rows: list[Row], skipped: dict[str, str]) -> str:
     failed = sum(len(r.failures) for r in rows)
     passed = sum(r.checks for r in rows) - failed
@@ -396,9 +447,10 @@ def summary_line(rows: list[Row], skipped: dict[str, str]) -> str:
 
 def write_report(out: Path, rows: list[Row], lines: list[list[str]], skipped: dict[str, str], summary: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    failures = [f"* {r.task} ({r.sandbox}): {f}" for r in rows for f in r.failures]
     md = ["# Conformance suite", "", "Each cell: expected / got.", "", render_markdown(lines), "", summary, ""]
-    (out / "conformance.md").write_text("\n".join(md + (["## Failures", "", *failures, ""] if failures else [])))
+    for title, items in (("Failures", failure_lines(rows)), ("Expected unrunnable: the reasons", reason_lines(rows))):
+        md += [f"## {title}", "", *(f"* {item}" for item in items), ""] if items else []
+    (out / "conformance.md").write_text("\n".join(md))
     record = {
         "summary": summary,
         "skipped": skipped,
@@ -479,9 +531,7 @@ def run_suite(suite: list[Expectation], sandboxes: list[str], out: Path, harbor:
             print(f"{sandbox}: skipped: {why}", flush=True)
             continue
         print(f"{sandbox}: {len(suite)} tasks, oracle and nop through the eval stage{' and Harbor' if harbor else ''}", flush=True)
-        scores = {}
-        for policy in POLICIES:
-            scores.update({(name, policy): s for name, s in run_tbexp(suite, sandbox, policy, out, overrides, concurrency).items()})
+        scores = run_tbexp(suite, sandbox, out, overrides, concurrency)
         if harbor:
             scores.update({(t, f"harbor-{p}"): s for (t, p), s in run_harbor(suite, sandbox, node, out, concurrency).items()})
         for e in suite:
@@ -511,9 +561,10 @@ def main() -> int:
     lines = table(rows, {e.name: e for e in suite})
     summary = summary_line(rows, skipped)
     print("\n" + render_text(lines) if rows else "")
-    for r in rows:
-        for failure in r.failures:
-            print(f"FAIL {r.task} ({r.sandbox}): {failure}")
+    for line in reason_lines(rows):
+        print(f"expected unrunnable: {line}")
+    for line in failure_lines(rows):
+        print(f"FAIL {line}")
     print(summary)
     write_report(args.out, rows, lines, skipped, summary)
     print(f"table: {args.out / 'conformance.md'}, {args.out / 'conformance.json'}")

@@ -65,6 +65,8 @@ GOOD = 'convention = "c"\nexpect = "scored"\noracle_reward = 1.0\nnop_reward = 0
         (GOOD.replace("nop_reward = 0.0", "nop_reward = 1.5"), r"nop_reward = 1.5; must be a number in \[0, 1\]"),
         (GOOD.replace("nop_reward = 0.0", 'nop_reward = "0"'), "nop_reward = '0'; must be a number"),
         ("convention = [", "broken TOML"),
+        (GOOD + 'unrunnable_reason = "x"\n', "unrunnable_reason is only for expect"),
+        ('convention = "c"\nexpect = "unrunnable"\nunrunnable_reason = "("\n', "not a regular expression"),
     ],
 )
 def test_schema_errors_name_the_file_and_key(tmp_path, body, message):
@@ -98,6 +100,9 @@ def test_a_row_fails_on_the_numbers_that_do_not_hold():
     unrunnable = conformance.Expectation("u", Path("u"), "c", "unrunnable")
     row = conformance.check_row(unrunnable, "docker", {"harbor-oracle": Score(per_test=1.0, strict=1.0), "harbor-nop": Score(unrunnable="build failed")})
     assert row.failures == ["Harbor oracle: expected unrunnable, got scored (per-test 1.000)"]
+    build = conformance.Expectation("u", Path("u"), "c", "unrunnable", unrunnable_reason="docker build failed")
+    row = conformance.check_row(build, "bwrap", {"oracle": Score(unrunnable="DockerfileError: RUN is not supported"), "nop": Score(unrunnable="Docker build failed: exit 1")})
+    assert row.failures == ["tbexp oracle: unrunnable, but not for /docker build failed/: DockerfileError: RUN is not supported"]
 
 
 # ---------------------------------------------------------------- the tasks, run
