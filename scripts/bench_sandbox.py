@@ -100,11 +100,17 @@ def main() -> None:
     )
     for name in args.sandboxes:
         print(f"\n== {name} ==")
-        why_not = docker_unavailable() if name == "docker" else ""
-        if why_not:
-            print(f"docker skipped: {why_not}")
+        if not _usable(name):
             continue
         _bench_sandbox(name, jobs, tasks, runs, args)
+
+
+def _usable(name: str) -> bool:
+    """Whether the sandbox can be benchmarked here; a line says why not."""
+    why_not = docker_unavailable() if name == "docker" else ""
+    if why_not:
+        print(f"docker skipped: {why_not}")
+    return not why_not
 
 
 def _parse_args() -> argparse.Namespace:
@@ -388,9 +394,7 @@ def _main_suite(args) -> None:
     print(f"conformance suite benchmark: {len(tasks)} scored tasks of {args.suite}, {len(tasks) * runs} oracle episodes a run, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start")
     for name in args.sandboxes:
         print(f"\n== {name}: conformance suite ==")
-        why_not = docker_unavailable() if name == "docker" else ""
-        if why_not:
-            print(f"docker skipped: {why_not}")
+        if not _usable(name):
             continue
         rootfs = _compose(name).sandbox.rootfs
         cold = {"tbexp": _cold_builds(name, tasks, rootfs, harbor=False)}
