@@ -290,20 +290,22 @@ def run_harbor(suite: list[Expectation], sandbox: str, node: dict, out: Path, co
         shutil.rmtree(trials)
     trials.mkdir(parents=True)
     jobs = [(e, policy) for e in suite for policy in POLICIES]
+    task_dirs = {e.name: _harbor_task_dir(e, out / "harbor" / "tasks") for e in suite}  # once: both agents share it
 
     async def all_trials():
         gate = asyncio.Semaphore(concurrency)
-        return await asyncio.gather(*(_harbor_trial(e, policy, sandbox, node, trials, gate) for e, policy in jobs))
+        return await asyncio.gather(*(_harbor_trial(task_dirs[e.name], policy, sandbox, node, trials, gate) for e, policy in jobs))
 
     return {(e.name, policy): score for (e, policy), score in zip(jobs, asyncio.run(all_trials()))}
 
 
-async def _harbor_trial(e: Expectation, policy: str, sandbox: str, node: dict, trials: Path, gate) -> Score:
+async def _harbor_trial(task_dir: Path | Score, policy: str, sandbox: str, node: dict, trials: Path, gate) -> Score:
     from harbor.models.trial.config import AgentConfig, EnvironmentConfig, TaskConfig, TrialConfig
     from harbor.trial.trial import Trial
 
+    if isinstance(task_dir, Score):
+        return task_dir  # Harbor's mapper refused it
     try:
-        task_dir = harbor_task_dir(e, trials.parent / "tasks")
         config = TrialConfig(
             task=TaskConfig(path=task_dir),
             agent=AgentConfig(name=policy),
@@ -313,11 +315,16 @@ async def _harbor_trial(e: Expectation, policy: str, sandbox: str, node: dict, t
         async with gate:
             result = await (await Trial.create(config)).run()
     except Exception as err:  # Harbor refusing the task (its model, the environment's checks) is its verdict on it
-        return Score(unrunnable=f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"[:300])
+        return _refused(err)
     return harbor_score(result, trials / policy / result.trial_name)
 
 
-def harbor_task_dir(e: Expectation, converted: Path) -> Path:
+def _refused(err: Exception) -> Score:
+    message = str(err).strip()
+    return Score(unrunnable=f"{type(err).__name__}: {message.splitlines()[0] if message else ''}"[:300])
+
+
+def _harbor_task_dir(e: Expectation, converted: Path) -> Path | Score:
     """The task as Harbor reads it: a Terminal-Bench 1 directory goes through Harbor's own mapper first."""
     if (e.path / "task.toml").is_file() or not (e.path / "task.yaml").is_file():
         return e.path
@@ -327,7 +334,15 @@ def harbor_task_dir(e: Expectation, converted: Path) -> Path:
     if target.exists():
         shutil.rmtree(target)
     converted.mkdir(parents=True, exist_ok=True)
-    return TerminalBenchMapper()._map_task(e.path, target)  # what `harbor tasks migrate` runs for each task
+    from harbor.models.task.config import NetworkMode
+
+    # Terminal-Bench 1 never said whether a task needs the network (Harbor maps it to "public"); tbexp's
+    # sandboxes have none, and tbexp.harbor_env refuses tasks that ask for it, so the copy says no-network.
+    mapper = TerminalBenchMapper(environment_overrides={"network_mode": NetworkMode.NO_NETWORK})
+    try:
+        return mapper._map_task(e.path, target)  # what `harbor tasks migrate` runs for each task
+    except Exception as err:  # the mapper refusing a directory is Harbor's verdict on it
+        return _refused(err)
 
 
 def harbor_score(result, trial_dir: Path) -> Score:
