@@ -4,7 +4,7 @@
     .venv/bin/python scripts/bench_sandbox.py                       # bwrap and docker, concurrency 1,2,4,6,8, 96 episodes a run
     .venv/bin/python scripts/bench_sandbox.py --quick               # concurrency 2,4, 24 episodes a run
     .venv/bin/python scripts/bench_sandbox.py --sandboxes bwrap --concurrency 2,4 --episodes 48 --no-harbor
-    .venv/bin/python scripts/bench_sandbox.py --suite --sandboxes bwrap --concurrency 2 --episodes 6   # the conformance suite
+    .venv/bin/python scripts/bench_sandbox.py --suite --sandboxes bwrap --concurrency 2 --episodes 6  # the suite
 
 For each sandbox and concurrency level it runs the same oracle episodes twice:
 through tbexp's `run_episode`/`run_episodes` (exactly what the eval stage
@@ -120,7 +120,8 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--episodes", type=int, help="episodes per run (default 96)")
     parser.add_argument("--sandboxes", type=lambda s: s.split(","), default=["bwrap", "docker"])
     parser.add_argument("--no-harbor", dest="harbor", action="store_false", help="skip Harbor's trial runner")
-    parser.add_argument("--suite", nargs="?", const=REPO / "tests" / "conformance", type=Path, help="bench the conformance suite (DIR)")
+    suite = REPO / "tests" / "conformance"
+    parser.add_argument("--suite", nargs="?", const=suite, type=Path, help="bench the conformance suite (DIR)")
     args = parser.parse_args()
     args.concurrency = args.concurrency or ([2, 4] if args.quick else [1, 2, 4, 6, 8])
     args.episodes = args.episodes or (24 if args.quick else 96)
@@ -364,6 +365,10 @@ def _print_summary(name: str, results: list[Run]) -> None:
         if name == "bwrap" and not math.isnan(own):
             cpu = statistics.fmean(r.cpu_s / r.episodes for r in harbor) / statistics.fmean(r.cpu_s / r.episodes for r in results if r.runner == "tbexp")
             print(f"CPU per episode, harbor / tbexp: {cpu:.2f}x over all levels (the throughput ratio on a machine the benchmark has to itself, once CPU-bound)")
+    _warn_unsolved(results)
+
+
+def _warn_unsolved(results: list[Run]) -> None:
     bad = [r for r in results if r.invalid or r.unsolved]
     if bad:
         print("warning: some oracle episodes were invalid or unsolved: " + ", ".join(f"{r.runner}@{r.concurrency}: {r.invalid} invalid, {r.unsolved} unsolved" for r in bad))
@@ -391,7 +396,10 @@ def _main_suite(args) -> None:
         print(f"{args.suite}: no scored task that tbexp loads; nothing to bench")
         return
     runs = math.ceil(args.episodes / len(tasks))
-    print(f"conformance suite benchmark: {len(tasks)} scored tasks of {args.suite}, {len(tasks) * runs} oracle episodes a run, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start")
+    print(
+        f"conformance suite benchmark: {len(tasks)} scored tasks of {args.suite}, {len(tasks) * runs} oracle episodes "
+        f"a run, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start"
+    )
     for name in args.sandboxes:
         print(f"\n== {name}: conformance suite ==")
         if not _usable(name):
@@ -411,10 +419,11 @@ def _main_suite(args) -> None:
             if mine:
                 best = max(mine, key=lambda r: r.per_s)
                 verify_ms = statistics.fmean(r.phase_s["verify"] for r in mine) * 1000
-                print(f"{runner:7} warm: best {best.per_s:.2f} episodes/s at concurrency {best.concurrency}, verify {verify_ms:.0f} ms an episode (mean over levels)")
-        bad = [r for r in results if r.invalid or r.unsolved]
-        if bad:
-            print("warning: some oracle episodes were invalid or unsolved: " + ", ".join(f"{r.runner}@{r.concurrency}: {r.invalid} invalid, {r.unsolved} unsolved" for r in bad))
+                print(
+                    f"{runner:7} warm: best {best.per_s:.2f} episodes/s at concurrency {best.concurrency}, "
+                    f"verify {verify_ms:.0f} ms an episode (mean over levels)"
+                )
+        _warn_unsolved(results)
 
 
 def _suite_tasks(root: Path):
@@ -472,12 +481,16 @@ def _harbor_cold(name: str, cfg, tasks) -> dict[str, float | str]:
 
     node = OmegaConf.to_container(cfg.sandbox, resolve=True)
     console = io.StringIO()
-    with tempfile.TemporaryDirectory(prefix="tbexp-bench-harbor-") as jobs_dir, redirect_stdout(console), redirect_stderr(console):
+    with (
+        tempfile.TemporaryDirectory(prefix="tbexp-bench-harbor-") as jobs_dir,
+        redirect_stdout(console),
+        redirect_stderr(console),
+    ):
         trials = asyncio.run(_harbor_job(ENVIRONMENTS[name], node, [t.path for t in tasks], 1, 1, Path(jobs_dir)))
     seconds: dict[str, float | str] = {}
     for trial in trials:
         failed = trial.exception_info and trial.environment_setup is None
-        seconds[trial.task_name] = f"{trial.exception_info.exception_type}" if failed else _harbor_phases(trial)["start"]
+        seconds[trial.task_name] = trial.exception_info.exception_type if failed else _harbor_phases(trial)["start"]
     return seconds
 
 

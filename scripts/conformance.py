@@ -113,20 +113,29 @@ def read_expectation(task_dir: Path) -> Expectation:
     for key in ("oracle_reward", "nop_reward"):
         value = data.get(key)
         if value is None and data["expect"] == "scored":
-            raise ConformanceError(f"{path}: {key} is missing (needed when expect = \"scored\")")
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1):
+            raise ConformanceError(f'{path}: {key} is missing (needed when expect = "scored")')
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1
+        ):
             raise ConformanceError(f"{path}: {key} = {value!r}; must be a number in [0, 1]")
         rewards[key] = None if value is None else float(value)
     reason = data.get("unrunnable_reason", "")
     if reason and data["expect"] != UNRUNNABLE:
-        raise ConformanceError(f"{path}: unrunnable_reason is only for expect = \"unrunnable\"")
+        raise ConformanceError(f'{path}: unrunnable_reason is only for expect = "unrunnable"')
     try:
         re.compile(reason)
     except (re.error, TypeError) as err:
         raise ConformanceError(f"{path}: unrunnable_reason = {reason!r}: not a regular expression ({err})") from err
     if not any((task_dir / name).is_file() for name in ("task.toml", "task.yaml")):
         raise ConformanceError(f"{task_dir}: holds conformance.toml but neither task.toml nor task.yaml")
-    return Expectation(task_dir.name, task_dir.resolve(), data["convention"].strip(), data["expect"], **rewards, unrunnable_reason=reason)
+    return Expectation(
+        task_dir.name,
+        task_dir.resolve(),
+        data["convention"].strip(),
+        data["expect"],
+        **rewards,
+        unrunnable_reason=reason,
+    )
 
 
 def load_suite(root: Path, only: list[str] | None = None) -> list[Expectation]:
@@ -158,7 +167,9 @@ def task_names(expectation: Expectation) -> set[str]:
 # ---------------------------------------------------------------- tbexp: its own eval stage
 
 
-def run_tbexp(suite: list[Expectation], sandbox: str, out: Path, overrides: list[str], concurrency: int) -> dict[tuple[str, str], Score]:
+def run_tbexp(
+    suite: list[Expectation], sandbox: str, out: Path, overrides: list[str], concurrency: int
+) -> dict[tuple[str, str], Score]:
     """{(task, policy): Score} for the oracle and nop, from one eval-stage run over the whole suite.
 
     Both policies are the eval stage's candidates (`eval.candidates=[oracle,nop]`), so one process
@@ -175,7 +186,10 @@ def run_tbexp(suite: list[Expectation], sandbox: str, out: Path, overrides: list
         if all(_tables(run).values()):
             return {**scores, **_scores_from_run(left, run, done)}
         error = _last_error(done)
-        culprit = next((e for e in left if f"{dataset}/{e.name}/" in error or error.rstrip(":").endswith(f"{dataset}/{e.name}")), None)
+        culprit = next(
+            (e for e in left if f"{dataset}/{e.name}/" in error or error.rstrip(":").endswith(f"{dataset}/{e.name}")),
+            None,
+        )
         if culprit is None:
             break
         print(f"  {sandbox}: the run stopped at {culprit.name} ({error}); the rest run again", flush=True)
@@ -186,7 +200,9 @@ def run_tbexp(suite: list[Expectation], sandbox: str, out: Path, overrides: list
     print(f"  {sandbox}: the run stopped ({_last_error(done)}); running each task on its own", flush=True)
     for e in left:
         one = out / "runs" / f"{sandbox}-{e.name}"
-        alone = _eval_stage(_dataset(out / "datasets" / f"{sandbox}-{e.name}", [e]), one, sandbox, overrides, concurrency)
+        alone = _eval_stage(
+            _dataset(out / "datasets" / f"{sandbox}-{e.name}", [e]), one, sandbox, overrides, concurrency
+        )
         scores.update(_scores_from_run([e], one, alone))
     return scores
 
@@ -201,7 +217,9 @@ def _dataset(folder: Path, suite: list[Expectation]) -> Path:
     return folder
 
 
-def _eval_stage(dataset: Path, run: Path, sandbox: str, overrides: list[str], concurrency: int) -> subprocess.CompletedProcess:
+def _eval_stage(
+    dataset: Path, run: Path, sandbox: str, overrides: list[str], concurrency: int
+) -> subprocess.CompletedProcess:
     if run.exists():
         shutil.rmtree(run)
     run.mkdir(parents=True)
@@ -210,12 +228,19 @@ def _eval_stage(dataset: Path, run: Path, sandbox: str, overrides: list[str], co
         f"tasks.path={dataset}", f"sandbox={sandbox}", "eval.n_runs=1", f"eval.concurrency={concurrency}",
         "eval.save_episodes=100000", "logger=none", f"hydra.run.dir={run}", *overrides,
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    }
     env.setdefault("TQDM_DISABLE", "1")
     try:
-        done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+        done = subprocess.run(
+            argv, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S
+        )
     except subprocess.TimeoutExpired as err:
-        done = subprocess.CompletedProcess(argv, 124, err.stdout or "", f"{err.stderr or ''}\ntimed out after {RUN_TIMEOUT_S:g} s")
+        done = subprocess.CompletedProcess(
+            argv, 124, err.stdout or "", f"{err.stderr or ''}\ntimed out after {RUN_TIMEOUT_S:g} s"
+        )
     (run / "stage.log").write_text(f"$ {' '.join(argv)}\nexit {done.returncode}\n{done.stdout}\n{done.stderr}")
     return done
 
@@ -229,7 +254,9 @@ def _tables(run: Path) -> dict[str, Path | None]:
     return found
 
 
-def _scores_from_run(suite: list[Expectation], run: Path, done: subprocess.CompletedProcess) -> dict[tuple[str, str], Score]:
+def _scores_from_run(
+    suite: list[Expectation], run: Path, done: subprocess.CompletedProcess
+) -> dict[tuple[str, str], Score]:
     scores = {}
     for policy, folder in _tables(run).items():
         rows = {r["task"]: r for r in csv.DictReader((folder / "tasks.csv").open())} if folder else {}
@@ -279,7 +306,9 @@ def _last_error(done: subprocess.CompletedProcess) -> str:
 HARBOR_ENVIRONMENTS = {"bwrap": "tbexp.harbor_env:BwrapEnvironment", "docker": "tbexp.harbor_env:DockerEnvironment"}
 
 
-def run_harbor(suite: list[Expectation], sandbox: str, node: dict, out: Path, concurrency: int) -> dict[tuple[str, str], Score]:
+def run_harbor(
+    suite: list[Expectation], sandbox: str, node: dict, out: Path, concurrency: int
+) -> dict[tuple[str, str], Score]:
     """Harbor's Trial with its oracle and nop agents on every task: {(task, policy): Score}."""
     import asyncio
 
@@ -294,7 +323,9 @@ def run_harbor(suite: list[Expectation], sandbox: str, node: dict, out: Path, co
 
     async def all_trials():
         gate = asyncio.Semaphore(concurrency)
-        return await asyncio.gather(*(_harbor_trial(task_dirs[e.name], policy, sandbox, node, trials, gate) for e, policy in jobs))
+        return await asyncio.gather(
+            *(_harbor_trial(task_dirs[e.name], policy, sandbox, node, trials, gate) for e, policy in jobs)
+        )
 
     return {(e.name, policy): score for (e, policy), score in zip(jobs, asyncio.run(all_trials()))}
 
@@ -352,8 +383,14 @@ def harbor_score(result, trial_dir: Path) -> Score:
     failures = [x for x in result.recorded_exceptions() if x is not None]
     if not result.reward_valid:
         why = failures[0] if failures else None
-        return Score(unrunnable=f"{why.exception_type}: {why.exception_message.strip()[:250]}" if why else "no valid reward")
-    logs = [trial_dir / "verifier"] if (trial_dir / "verifier").is_dir() and any((trial_dir / "verifier").iterdir()) else []
+        return Score(
+            unrunnable=f"{why.exception_type}: {why.exception_message.strip()[:250]}" if why else "no valid reward"
+        )
+    logs = (
+        [trial_dir / "verifier"]
+        if (trial_dir / "verifier").is_dir() and any((trial_dir / "verifier").iterdir())
+        else []
+    )
     logs = logs or sorted(trial_dir.glob("steps/*/verifier"))  # a multi-step trial keeps each step's logs apart
     try:
         reports = [read_results(d, result.task_name) for d in logs]
@@ -418,8 +455,17 @@ def table(rows: list[Row], suite: dict[str, Expectation]) -> list[list[str]]:
     for r in rows:
         e, s = suite[r.task], r.scores
         oracle = s["oracle"]
-        strict = f"{'-' if e.oracle_strict is None else f'{e.oracle_strict:.0f}'} / {UNRUNNABLE if oracle.unrunnable else f'{oracle.strict:.0f}'}"
-        cells = [r.task, r.convention, r.sandbox, r.expect, strict, oracle.cell(e.oracle_reward), s["nop"].cell(e.nop_reward)]
+        expected_strict = "-" if e.oracle_strict is None else f"{e.oracle_strict:.0f}"
+        strict = f"{expected_strict} / {UNRUNNABLE if oracle.unrunnable else f'{oracle.strict:.0f}'}"
+        cells = [
+            r.task,
+            r.convention,
+            r.sandbox,
+            r.expect,
+            strict,
+            oracle.cell(e.oracle_reward),
+            s["nop"].cell(e.nop_reward),
+        ]
         for policy in POLICIES if harbor else ():
             score = s[f"harbor-{policy}"]
             own = f" (reward {_rewards(score.rewards)})" if score.rewards and not score.unrunnable else ""
@@ -440,7 +486,13 @@ def render_text(lines: list[list[str]]) -> str:
 
 def render_markdown(lines: list[list[str]]) -> str:
     cells = [[c.replace("|", "\\|") for c in line] for line in lines]
-    return "\n".join(["| " + " | ".join(cells[0]) + " |", "|" + "---|" * len(cells[0]), *("| " + " | ".join(c) + " |" for c in cells[1:])])
+    return "\n".join(
+        [
+            "| " + " | ".join(cells[0]) + " |",
+            "|" + "---|" * len(cells[0]),
+            *("| " + " | ".join(c) + " |" for c in cells[1:]),
+        ]
+    )
 
 
 def failure_lines(rows: list[Row]) -> list[str]:
@@ -449,7 +501,13 @@ def failure_lines(rows: list[Row]) -> list[str]:
 
 def reason_lines(rows: list[Row]) -> list[str]:
     """Why each expected-unrunnable task was unrunnable: a reader checks it is the reason meant."""
-    return [f"{r.task} ({r.sandbox}) {key}: {s.unrunnable}" for r in rows if r.expect == UNRUNNABLE for key, s in r.scores.items() if s.unrunnable]
+    return [
+        f"{r.task} ({r.sandbox}) {key}: {s.unrunnable}"
+        for r in rows
+        if r.expect == UNRUNNABLE
+        for key, s in r.scores.items()
+        if s.unrunnable
+    ]
 
 
 def summary_line(rows: list[Row], skipped: dict[str, str]) -> str:
@@ -469,7 +527,13 @@ def write_report(out: Path, rows: list[Row], lines: list[list[str]], skipped: di
     record = {
         "summary": summary,
         "skipped": skipped,
-        "rows": [{**{k: v for k, v in asdict(r).items() if k != "scores"}, "scores": {k: asdict(s) for k, s in r.scores.items()}} for r in rows],
+        "rows": [
+            {
+                **{k: v for k, v in asdict(r).items() if k != "scores"},
+                "scores": {k: asdict(s) for k, s in r.scores.items()},
+            }
+            for r in rows
+        ],
     }
     (out / "conformance.json").write_text(json.dumps(_without_nan(record), indent=1, default=str) + "\n")
 
@@ -523,11 +587,11 @@ def docker_unavailable() -> str:
     for script in ("start_dockerd.sh", "build_base_image.sh"):
         path = REPO / "scripts" / script
         if path.exists():
-            done = subprocess.run(["bash", str(path)], capture_output=True, text=True)
+            done = subprocess.run(["bash", str(path)], check=False, capture_output=True, text=True)
             if done.returncode != 0:
                 return f"scripts/{script} failed: {done.stderr.strip()[-300:]}"
     try:
-        answer = subprocess.run(["docker", "info"], capture_output=True, text=True, timeout=20)
+        answer = subprocess.run(["docker", "info"], check=False, capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.TimeoutExpired) as err:
         return f"the Docker engine does not answer ({err})"
     if answer.returncode != 0:
@@ -535,7 +599,14 @@ def docker_unavailable() -> str:
     return ""
 
 
-def run_suite(suite: list[Expectation], sandboxes: list[str], out: Path, harbor: bool = False, overrides: list[str] | None = None, concurrency: int = 2) -> tuple[list[Row], dict[str, str]]:
+def run_suite(
+    suite: list[Expectation],
+    sandboxes: list[str],
+    out: Path,
+    harbor: bool = False,
+    overrides: list[str] | None = None,
+    concurrency: int = 2,
+) -> tuple[list[Row], dict[str, str]]:
     """Rows of checked expectations for every task in every available sandbox, and the sandboxes skipped (why)."""
     overrides = list(overrides or [])
     rows, skipped = [], {}
@@ -545,10 +616,15 @@ def run_suite(suite: list[Expectation], sandboxes: list[str], out: Path, harbor:
             skipped[sandbox] = why
             print(f"{sandbox}: skipped: {why}", flush=True)
             continue
-        print(f"{sandbox}: {len(suite)} tasks, oracle and nop through the eval stage{' and Harbor' if harbor else ''}", flush=True)
+        print(
+            f"{sandbox}: {len(suite)} tasks, oracle and nop through the eval stage{' and Harbor' if harbor else ''}",
+            flush=True,
+        )
         scores = run_tbexp(suite, sandbox, out, overrides, concurrency)
         if harbor:
-            scores.update({(t, f"harbor-{p}"): s for (t, p), s in run_harbor(suite, sandbox, node, out, concurrency).items()})
+            scores.update(
+                {(t, f"harbor-{p}"): s for (t, p), s in run_harbor(suite, sandbox, node, out, concurrency).items()}
+            )
         for e in suite:
             keys = [*POLICIES, *(f"harbor-{p}" for p in POLICIES if harbor)]
             rows.append(check_row(e, sandbox, {k: scores[(e.name, k)] for k in keys}))
@@ -556,14 +632,29 @@ def run_suite(suite: list[Expectation], sandboxes: list[str], out: Path, harbor:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sandboxes", type=lambda s: [x for x in s.split(",") if x], default=["bwrap"], help="comma-separated: bwrap,docker")
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--sandboxes",
+        type=lambda s: [x for x in s.split(",") if x],
+        default=["bwrap"],
+        help="comma-separated: bwrap,docker",
+    )
     parser.add_argument("--harbor", action="store_true", help="also run Harbor's trial runner (oracle and nop agents)")
-    parser.add_argument("--tasks", type=Path, default=SUITE, help=f"the suite directory (default {SUITE.relative_to(REPO)})")
-    parser.add_argument("--only", type=lambda s: [x for x in s.split(",") if x], help="comma-separated task directory names")
-    parser.add_argument("--out", type=Path, default=REPO / "multirun" / "conformance", help="where runs and the table go")
+    parser.add_argument(
+        "--tasks", type=Path, default=SUITE, help=f"the suite directory (default {SUITE.relative_to(REPO)})"
+    )
+    parser.add_argument(
+        "--only", type=lambda s: [x for x in s.split(",") if x], help="comma-separated task directory names"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=REPO / "multirun" / "conformance", help="where runs and the table go"
+    )
     parser.add_argument("--concurrency", type=int, default=2, help="episodes (and Harbor trials) at once")
-    parser.add_argument("overrides", nargs="*", help="extra config overrides for every eval-stage run, e.g. sandbox.rootfs=DIR")
+    parser.add_argument(
+        "overrides", nargs="*", help="extra config overrides for every eval-stage run, e.g. sandbox.rootfs=DIR"
+    )
     args = parser.parse_args()
     if unknown := sorted(set(args.sandboxes) - set(SANDBOXES)):
         parser.error(f"--sandboxes: unknown {unknown}; choose from {list(SANDBOXES)}")

@@ -89,20 +89,37 @@ def test_schema_accepts_an_unrunnable_task_without_rewards_and_a_missing_file_is
 def test_a_row_fails_on_the_numbers_that_do_not_hold():
     expectation = conformance.Expectation("t", Path("t"), "c", "scored", oracle_reward=1.0, nop_reward=1 / 3)
     Score = conformance.Score
-    held = conformance.check_row(expectation, "bwrap", {"oracle": Score(per_test=1.0, strict=1.0), "nop": Score(per_test=0.333, strict=0.0)})
+    held = conformance.check_row(
+        expectation, "bwrap", {"oracle": Score(per_test=1.0, strict=1.0), "nop": Score(per_test=0.333, strict=0.0)}
+    )
     assert held.failures == [] and held.checks == 3
-    broken = conformance.check_row(expectation, "bwrap", {"oracle": Score(per_test=0.5, strict=0.0), "nop": Score(unrunnable="SandboxError: no")})
+    broken = conformance.check_row(
+        expectation, "bwrap", {"oracle": Score(per_test=0.5, strict=0.0), "nop": Score(unrunnable="SandboxError: no")}
+    )
     assert broken.failures == [
         "tbexp oracle per-test: expected 1.000, got 0.500",
         "tbexp oracle strict: expected 1.000, got 0.000",
         "tbexp nop: expected scored, got unrunnable: SandboxError: no",
     ]
     unrunnable = conformance.Expectation("u", Path("u"), "c", "unrunnable")
-    row = conformance.check_row(unrunnable, "docker", {"harbor-oracle": Score(per_test=1.0, strict=1.0), "harbor-nop": Score(unrunnable="build failed")})
+    row = conformance.check_row(
+        unrunnable,
+        "docker",
+        {"harbor-oracle": Score(per_test=1.0, strict=1.0), "harbor-nop": Score(unrunnable="build failed")},
+    )
     assert row.failures == ["Harbor oracle: expected unrunnable, got scored (per-test 1.000)"]
     build = conformance.Expectation("u", Path("u"), "c", "unrunnable", unrunnable_reason="docker build failed")
-    row = conformance.check_row(build, "bwrap", {"oracle": Score(unrunnable="DockerfileError: RUN is not supported"), "nop": Score(unrunnable="Docker build failed: exit 1")})
-    assert row.failures == ["tbexp oracle: unrunnable, but not for /docker build failed/: DockerfileError: RUN is not supported"]
+    row = conformance.check_row(
+        build,
+        "bwrap",
+        {
+            "oracle": Score(unrunnable="DockerfileError: RUN is not supported"),
+            "nop": Score(unrunnable="Docker build failed: exit 1"),
+        },
+    )
+    assert row.failures == [
+        "tbexp oracle: unrunnable, but not for /docker build failed/: DockerfileError: RUN is not supported"
+    ]
 
 
 # ---------------------------------------------------------------- the tasks, run
@@ -110,7 +127,13 @@ def test_a_row_fails_on_the_numbers_that_do_not_hold():
 
 def _selected(request, test_name: str) -> list[Path]:
     """The task dirs of `test_name` that this session will run (so `-k one-task` runs one task, not the suite)."""
-    return sorted({item.callspec.params["task_dir"] for item in request.session.items if getattr(item, "originalname", "") == test_name and hasattr(item, "callspec")})
+    return sorted(
+        {
+            item.callspec.params["task_dir"]
+            for item in request.session.items
+            if getattr(item, "originalname", "") == test_name and hasattr(item, "callspec")
+        }
+    )
 
 
 def _suite(task_dirs: list[Path]) -> tuple[list, dict[str, str]]:
@@ -131,7 +154,10 @@ def _run(request, test_name: str, sandbox: str, out: Path, harbor_only: bool = F
     suite, broken = _suite(_selected(request, test_name))
     if harbor_only:
         scores = conformance.run_harbor(suite, sandbox, node, out, concurrency=2)
-        rows = [conformance.check_row(e, sandbox, {f"harbor-{p}": scores[(e.name, p)] for p in conformance.POLICIES}) for e in suite]
+        rows = [
+            conformance.check_row(e, sandbox, {f"harbor-{p}": scores[(e.name, p)] for p in conformance.POLICIES})
+            for e in suite
+        ]
     else:
         rows, skipped = conformance.run_suite(suite, [sandbox], out)
         assert not skipped, skipped
@@ -141,8 +167,13 @@ def _run(request, test_name: str, sandbox: str, out: Path, harbor_only: bool = F
 def _assert_row(results: dict[str, object], task_dir: Path) -> None:
     row = results[task_dir.name]
     assert not isinstance(row, str), row  # its conformance.toml did not read
-    scores = {k: ("unrunnable: " + s.unrunnable) if s.unrunnable else f"per-test {s.per_test:.3f}, strict {s.strict:.0f}" for k, s in row.scores.items()}
-    assert not row.failures, f"{task_dir.name} ({row.sandbox}, {row.convention}): " + "; ".join(row.failures) + f"\nall scores: {scores}"
+    scores = {
+        k: ("unrunnable: " + s.unrunnable) if s.unrunnable else f"per-test {s.per_test:.3f}, strict {s.strict:.0f}"
+        for k, s in row.scores.items()
+    }
+    assert not row.failures, (
+        f"{task_dir.name} ({row.sandbox}, {row.convention}): " + "; ".join(row.failures) + f"\nall scores: {scores}"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +189,13 @@ def docker_results(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def harbor_results(request, tmp_path_factory):
-    return _run(request, "test_harbor_trial_runner_in_bwrap", "bwrap", tmp_path_factory.mktemp("conformance-harbor"), harbor_only=True)
+    return _run(
+        request,
+        "test_harbor_trial_runner_in_bwrap",
+        "bwrap",
+        tmp_path_factory.mktemp("conformance-harbor"),
+        harbor_only=True,
+    )
 
 
 @pytest.mark.sandbox
@@ -197,7 +234,13 @@ def test_a_wrong_expectation_fails_the_script(tmp_path):
     toml = suite / "basic-reward-txt" / "conformance.toml"
     toml.write_text(toml.read_text().replace("nop_reward = 0.0", "nop_reward = 1.0"))
     out = tmp_path / "out"
-    done = subprocess.run([sys.executable, str(REPO / "scripts" / "conformance.py"), "--tasks", str(suite), "--out", str(out)], capture_output=True, text=True, cwd=REPO)
+    done = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "conformance.py"), "--tasks", str(suite), "--out", str(out)],
+        check=False,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
     assert done.returncode == 1, done.stdout + done.stderr
     assert "FAIL basic-reward-txt (bwrap): tbexp nop per-test: expected 1.000, got 0.000" in done.stdout
     assert "2 passed, 1 failed (0 of 1 task x sandbox rows hold)" in done.stdout
