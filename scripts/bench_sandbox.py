@@ -4,6 +4,7 @@
     .venv/bin/python scripts/bench_sandbox.py                       # bwrap and docker, concurrency 1,2,4,6,8, 96 episodes a run
     .venv/bin/python scripts/bench_sandbox.py --quick               # concurrency 2,4, 24 episodes a run
     .venv/bin/python scripts/bench_sandbox.py --sandboxes bwrap --concurrency 2,4 --episodes 48 --no-harbor
+    .venv/bin/python scripts/bench_sandbox.py --suite --sandboxes bwrap --concurrency 2 --episodes 6  # the suite
 
 For each sandbox and concurrency level it runs the same oracle episodes twice:
 through tbexp's `run_episode`/`run_episodes` (exactly what the eval stage
@@ -22,6 +23,14 @@ Docker runs only when `tbexp/sandboxes/docker.py` imports and the engine
 answers (scripts/start_dockerd.sh and scripts/build_base_image.sh are run
 first when present); otherwise a line says why it was skipped.
 
+With `--suite [DIR]` (default tests/conformance) the episodes are the conformance suite's
+scored tasks instead, and three rows come first for each runner: the environment build time
+cold (the first start of each task's sandbox with TBEXP_CACHE pointing at a fresh, empty
+folder and the base root file system kept, one task at a time; Docker keeps its images in the
+engine, so there only environments it has not built before are cold), then episodes/s with the
+environment cache warm and the verify time per episode, tbexp's rollout path beside Harbor's
+`Job` on the same tasks and sandbox. A suite task tbexp cannot load is left out, saying why.
+
 Not a test: nothing fails on a missed target; the numbers are the output.
 """
 
@@ -34,7 +43,6 @@ import io
 import math
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,6 +56,9 @@ os.environ.setdefault("HARBOR_TELEMETRY", "0")  # a Job reports usage unless tol
 os.environ.setdefault("TQDM_DISABLE", "1")  # run_episodes' progress bar would interleave with the table
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))  # run as a file or imported: the suite runner beside it
+
+from conformance import docker_unavailable  # noqa: E402
 
 EPISODES_PER_S_TARGET = {"bwrap": 8.0, "docker": 3.0}
 START_P50_TARGET_MS = {"bwrap": 20.0}
@@ -77,6 +88,8 @@ class Run:
 
 def main() -> None:
     args = _parse_args()
+    if args.suite:
+        return _main_suite(args)
     cfg = _compose("bwrap")
     tasks = _pick_tasks(cfg, args.episodes)
     runs = math.ceil(args.episodes / len(tasks))
@@ -87,11 +100,17 @@ def main() -> None:
     )
     for name in args.sandboxes:
         print(f"\n== {name} ==")
-        why_not = _docker_unavailable() if name == "docker" else ""
-        if why_not:
-            print(f"docker skipped: {why_not}")
+        if not _usable(name):
             continue
         _bench_sandbox(name, jobs, tasks, runs, args)
+
+
+def _usable(name: str) -> bool:
+    """Whether the sandbox can be benchmarked here; a line says why not."""
+    why_not = docker_unavailable() if name == "docker" else ""
+    if why_not:
+        print(f"docker skipped: {why_not}")
+    return not why_not
 
 
 def _parse_args() -> argparse.Namespace:
@@ -101,6 +120,8 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--episodes", type=int, help="episodes per run (default 96)")
     parser.add_argument("--sandboxes", type=lambda s: s.split(","), default=["bwrap", "docker"])
     parser.add_argument("--no-harbor", dest="harbor", action="store_false", help="skip Harbor's trial runner")
+    suite = REPO / "tests" / "conformance"
+    parser.add_argument("--suite", nargs="?", const=suite, type=Path, help="bench the conformance suite (DIR)")
     args = parser.parse_args()
     args.concurrency = args.concurrency or ([2, 4] if args.quick else [1, 2, 4, 6, 8])
     args.episodes = args.episodes or (24 if args.quick else 96)
@@ -114,7 +135,7 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
-def _compose(sandbox: str):
+def _compose(sandbox: str, *overrides: str):
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
@@ -123,7 +144,7 @@ def _compose(sandbox: str):
     register()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        return compose("config", overrides=[f"sandbox={sandbox}", "policy=oracle"])
+        return compose("config", overrides=[f"sandbox={sandbox}", "policy=oracle", *overrides])
 
 
 def _pick_tasks(cfg, n: int):
@@ -145,6 +166,11 @@ def _bench_sandbox(name: str, jobs, tasks, runs: int, args) -> None:
     _run_tbexp(cfg, jobs[: min(4, len(jobs))], 2)
     if args.harbor:
         _run_harbor(name, cfg, tasks[:2], 1, 2)
+    _print_summary(name, _levels(name, cfg, jobs, tasks, runs, args))
+
+
+def _levels(name: str, cfg, jobs, tasks, runs: int, args) -> list[Run]:
+    """One row per runner and concurrency level, the runners alternating, so outside load hits both alike."""
     print(f"{'runner':7} {'conc':>4} {'episodes/s':>10} {'wall_s':>7} {'cpu_s/ep':>8} {'all_cpu':>8} {'load':>5} {'invalid':>7} {'unsolved':>8}   " + "  ".join(f"{p + '_s':>8}" for p in PHASES) + f"  {'other_s':>8}")
     results: list[Run] = []
     for concurrency in args.concurrency:
@@ -153,7 +179,7 @@ def _bench_sandbox(name: str, jobs, tasks, runs: int, args) -> None:
         if args.harbor:
             results.append(_run_harbor(name, cfg, tasks, runs, concurrency))
             _print_row(results[-1])
-    _print_summary(name, results)
+    return results
 
 
 def _warm_up(cfg, tasks) -> None:
@@ -339,6 +365,10 @@ def _print_summary(name: str, results: list[Run]) -> None:
         if name == "bwrap" and not math.isnan(own):
             cpu = statistics.fmean(r.cpu_s / r.episodes for r in harbor) / statistics.fmean(r.cpu_s / r.episodes for r in results if r.runner == "tbexp")
             print(f"CPU per episode, harbor / tbexp: {cpu:.2f}x over all levels (the throughput ratio on a machine the benchmark has to itself, once CPU-bound)")
+    _warn_unsolved(results)
+
+
+def _warn_unsolved(results: list[Run]) -> None:
     bad = [r for r in results if r.invalid or r.unsolved]
     if bad:
         print("warning: some oracle episodes were invalid or unsolved: " + ", ".join(f"{r.runner}@{r.concurrency}: {r.invalid} invalid, {r.unsolved} unsolved" for r in bad))
@@ -357,25 +387,120 @@ def _verdict(ok: bool) -> str:
     return "met" if ok else "MISSED"
 
 
-def _docker_unavailable() -> str:
-    """Why Docker cannot be benchmarked here, or "" when it can."""
-    try:
-        import tbexp.sandboxes.docker  # noqa: F401
-    except ImportError as err:
-        return f"tbexp.sandboxes.docker cannot be imported ({err})"
-    for script in ("start_dockerd.sh", "build_base_image.sh"):
-        path = REPO / "scripts" / script
-        if path.exists():
-            done = subprocess.run(["bash", str(path)], capture_output=True, text=True)
-            if done.returncode != 0:
-                return f"scripts/{script} failed: {done.stderr.strip()[-300:]}"
-    try:
-        answer = subprocess.run(["docker", "info"], capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired) as err:
-        return f"the Docker engine does not answer ({err})"
-    if answer.returncode != 0:
-        return f"the Docker engine does not answer: {answer.stderr.strip()[-300:]}"
-    return ""
+# ---------------------------------------------------------------- the conformance suite's rows
+
+
+def _main_suite(args) -> None:
+    tasks = _suite_tasks(args.suite)
+    if not tasks:
+        print(f"{args.suite}: no scored task that tbexp loads; nothing to bench")
+        return
+    runs = math.ceil(args.episodes / len(tasks))
+    print(
+        f"conformance suite benchmark: {len(tasks)} scored tasks of {args.suite}, {len(tasks) * runs} oracle episodes "
+        f"a run, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start"
+    )
+    for name in args.sandboxes:
+        print(f"\n== {name}: conformance suite ==")
+        if not _usable(name):
+            continue
+        rootfs = _compose(name).sandbox.rootfs
+        cold = {"tbexp": _cold_builds(name, tasks, rootfs, harbor=False)}
+        if args.harbor:
+            cold["harbor"] = _cold_builds(name, tasks, rootfs, harbor=True)
+        for runner, seconds in cold.items():
+            print(f"{runner:7} environment build, cold: {_cold_text(seconds, len(tasks))}")
+        cfg = _compose(name)
+        _warm_up(cfg, tasks)
+        jobs = [(task, r) for r in range(runs) for task in tasks]
+        results = _levels(name, cfg, jobs, tasks, runs, args)
+        for runner in ("tbexp", "harbor"):
+            mine = [r for r in results if r.runner == runner]
+            if mine:
+                best = max(mine, key=lambda r: r.per_s)
+                verify_ms = statistics.fmean(r.phase_s["verify"] for r in mine) * 1000
+                print(
+                    f"{runner:7} warm: best {best.per_s:.2f} episodes/s at concurrency {best.concurrency}, "
+                    f"verify {verify_ms:.0f} ms an episode (mean over levels)"
+                )
+        _warn_unsolved(results)
+
+
+def _suite_tasks(root: Path):
+    """The suite's tasks expected to be scored that tbexp loads; the others are named with the reason."""
+    from conformance import load_suite
+
+    from tbexp.tasks import TaskError, load_task
+
+    tasks = []
+    for e in load_suite(root):
+        if e.expect != "scored":
+            continue
+        try:
+            tasks.append(load_task(e.path))
+        except TaskError as err:
+            print(f"suite: {e.name} left out: {err}")
+    return tasks
+
+
+def _cold_builds(name: str, tasks, rootfs: str, harbor: bool) -> dict[str, float | str]:
+    """Seconds of each task's first sandbox start (or why it failed), with a fresh, empty TBEXP_CACHE.
+
+    One task at a time, so each time is that environment's alone; a task whose environment an
+    earlier task already built is quick, as it is in a real run. Harbor's times are its trials'
+    environment set-up spans (a whole oracle trial runs, but only that span is counted).
+    """
+    from tbexp.sandboxes.base import make_sandbox
+
+    before = os.environ.get("TBEXP_CACHE")
+    with tempfile.TemporaryDirectory(prefix="tbexp-bench-cold-") as cache:
+        os.environ["TBEXP_CACHE"] = cache
+        try:
+            cfg = _compose(name, f"sandbox.rootfs={rootfs}")  # only the base root is kept warm
+            if harbor:
+                return _harbor_cold(name, cfg, tasks)
+            seconds: dict[str, float | str] = {}
+            for task in tasks:
+                start = time.perf_counter()
+                try:
+                    with make_sandbox(cfg.sandbox, task):
+                        pass
+                    seconds[task.name] = time.perf_counter() - start
+                except Exception as err:  # a task whose environment cannot be built is reported, not fatal
+                    seconds[task.name] = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
+            return seconds
+        finally:
+            if before is None:
+                os.environ.pop("TBEXP_CACHE", None)
+            else:
+                os.environ["TBEXP_CACHE"] = before
+
+
+def _harbor_cold(name: str, cfg, tasks) -> dict[str, float | str]:
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.to_container(cfg.sandbox, resolve=True)
+    console = io.StringIO()
+    with (
+        tempfile.TemporaryDirectory(prefix="tbexp-bench-harbor-") as jobs_dir,
+        redirect_stdout(console),
+        redirect_stderr(console),
+    ):
+        trials = asyncio.run(_harbor_job(ENVIRONMENTS[name], node, [t.path for t in tasks], 1, 1, Path(jobs_dir)))
+    seconds: dict[str, float | str] = {}
+    for trial in trials:
+        failed = trial.exception_info and trial.environment_setup is None
+        seconds[trial.task_name] = trial.exception_info.exception_type if failed else _harbor_phases(trial)["start"]
+    return seconds
+
+
+def _cold_text(seconds: dict[str, float | str], n_tasks: int) -> str:
+    times = [v for v in seconds.values() if isinstance(v, float)]
+    failed = [f"{k} ({v})" for k, v in seconds.items() if not isinstance(v, float)]
+    text = f"{sum(times):.1f} s for {len(times)} of {n_tasks} tasks" if times else f"none of {n_tasks} tasks started"
+    if times:
+        text += f" (slowest {max(times):.1f} s, median {statistics.median(times):.2f} s)"
+    return text + (f"; failed: {', '.join(failed)}" if failed else "")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,2 @@
+#!/bin/bash
+tr '[:lower:]' '[:upper:]' < /app/notes.txt > /app/notes.upper.txt
