@@ -40,9 +40,10 @@ class StageConfig:
 
 @dataclass
 class RewardConfig:
-    name: str = "per_test"  # binary | per_test | per_test_efficiency
+    name: str = "per_test"  # binary | per_test | per_test_efficiency | task_reward
     tests_weight: float = 0.8  # per_test_efficiency: weight of the per-test fraction
     efficiency_weight: float = 0.2  # per_test_efficiency: weight of the bonus for faster successes
+    task_reward: str = "reward"  # the named reward of reward.json read without per-test results (task_reward: always)
 
 
 @dataclass
@@ -345,5 +346,5 @@ def check(cfg: Any) -> None:
     unknown = [s for s in cfg.pipeline.stages if s not in ("collect", "sft", "filter", "grpo", "eval")]
     if unknown:
         raise ConfigError(f"pipeline.stages has {unknown}: choose from collect, sft, filter, grpo, eval")
-    if cfg.reward.name not in ("binary", "per_test", "per_test_efficiency"):
-        raise ConfigError(f"reward.name={cfg.reward.name!r}: choose binary, per_test or per_test_efficiency")
+    if cfg.reward.name not in ("binary", "per_test", "per_test_efficiency", "task_reward"):
+        raise ConfigError(f"reward.name={cfg.reward.name!r}: choose binary, per_test, per_test_efficiency or task_reward")
