@@ -96,9 +96,12 @@ def test_kl_penalty_lowers_the_advantage_where_the_policy_left_its_start():
     assert counts["kl_start"] == pytest.approx(2 * 1.0 / 4)
 
 
-@pytest.mark.parametrize("metric, expected", [("eval/reward", {0: 0.4, 4: 0.2, 8: 0.3}), ("grpo/best_reward", {0: 0.4, 4: 0.4, 8: 0.4})])
+@pytest.mark.parametrize("metric, expected", [("eval/reward", {4: 0.4, 8: 0.2, 12: 0.3}), ("grpo/best_reward", {4: 0.4, 8: 0.4, 12: 0.4})])
 def test_a_sweep_trial_hears_the_latest_or_the_peak_held_out_reward(tmp_path, metric, expected):
-    """The reward at each eval, or the peak so far (what the stage would return): the trial's pruning metric picks."""
+    """The reward at each eval, or the peak so far (what the stage would return): the trial's pruning metric picks.
+
+    An eval with no valid episode (NaN, at step 0) is not reported, and is never the peak.
+    """
     import optuna
 
     from tbexp.study import load_study, open_storage
@@ -107,7 +110,7 @@ def test_a_sweep_trial_hears_the_latest_or_the_peak_held_out_reward(tmp_path, me
     optuna.create_study(study_name="s", storage=open_storage(storage), direction="maximize").ask()
     cfg = compose_config("trial.number=0", "trial.study=s", f"trial.storage={storage}", f"trial.pruning_metric={metric}")
     evals = []
-    for step, reward in ((0, 0.4), (4, 0.2), (8, 0.3)):  # RL spoils a good start, then recovers part of it
+    for step, reward in ((0, float("nan")), (4, 0.4), (8, 0.2), (12, 0.3)):  # RL spoils a good start, recovers part of it
         evals.append({"step": step, "eval/reward": reward})
         grpo_stage._report(cfg, evals, step)
     assert load_study(storage, "s").trials[0].intermediate_values == expected
