@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import math
 import random
 import sys
 from pathlib import Path
@@ -45,7 +46,11 @@ def main(cfg: DictConfig) -> float:
     except TrialPruned as stop:  # the sweep's pruner ended this trial (already marked PRUNED in the study)
         print(f"tbexp: {stop}", file=sys.stderr)
         return float("nan")
-    return float(metrics.get(cfg.trial.objective or OBJECTIVE, float("nan")))  # stages without a held-out score give no objective
+    key = cfg.trial.objective or OBJECTIVE
+    objective = float(metrics.get(key, float("nan")))  # stages without a held-out score give no objective
+    if key in metrics and math.isnan(objective):  # a sweep fails such a trial; say why here, where the eval's table is
+        print(f"tbexp: the objective {key} is NaN: its eval scored no valid episode (see the eval's tasks.csv)", file=sys.stderr)
+    return objective
 
 
 if __name__ == "__main__":

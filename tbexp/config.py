@@ -55,6 +55,7 @@ class RewardName(StrEnum):
     binary = "binary"
     per_test = "per_test"
     per_test_efficiency = "per_test_efficiency"
+    task_reward = "task_reward"
 
 
 class BackendName(StrEnum):
@@ -122,6 +123,7 @@ class RewardConfig:
     name: RewardName = RewardName.per_test
     tests_weight: float = 0.8  # per_test_efficiency: weight of the per-test fraction
     efficiency_weight: float = 0.2  # per_test_efficiency: weight of the bonus for faster successes
+    task_reward: str = "reward"  # the named reward of reward.json read without per-test results (task_reward: always)
 
 
 @dataclass

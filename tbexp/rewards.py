@@ -3,7 +3,14 @@
 Every reward scores a *group* of attempts at one task (an eval task's n runs,
 or a GRPO group), because the efficiency bonus is relative to the group.
 Invalid episodes (broken sandbox or verifier) are never passed in: callers
-drop them first, so an infrastructure failure is not a score of 0.
+drop them first, so an infrastructure failure is not a score of 0. A damaged
+episode (the agent broke its own sandbox) is passed in, with an empty report.
+
+A task may write several named rewards (`reward.json`); every one is kept in
+the report. `reward.task_reward` names the one a reward reads: where a task
+reports no per-test results, `binary`, `per_test` and `per_test_efficiency`
+fall back to it (default `reward`, what `reward.txt` is read as), and
+`task_reward` scores it alone, whatever the tests say.
 """
 
 from __future__ import annotations
@@ -14,27 +21,27 @@ from typing import Any
 from tbexp.verifier import TestReport
 
 
-def binary(reports: Sequence[TestReport], turns: Sequence[int]) -> list[float]:
+def binary(reports: Sequence[TestReport], turns: Sequence[int], task_reward: str = "reward") -> list[float]:
     """1 when every test passed, else 0.
 
     >>> from tbexp.verifier import TestReport
     >>> binary([TestReport({"a": "passed", "b": "failed"}), TestReport({"a": "passed"})], [3, 2])
     [0.0, 1.0]
     """
-    return [1.0 if r.strict else 0.0 for r in reports]
+    return [1.0 if r.solved(task_reward) else 0.0 for r in reports]
 
 
-def per_test(reports: Sequence[TestReport], turns: Sequence[int]) -> list[float]:
+def per_test(reports: Sequence[TestReport], turns: Sequence[int], task_reward: str = "reward") -> list[float]:
     """The fraction of the task's tests that pass.
 
     >>> from tbexp.verifier import TestReport
     >>> per_test([TestReport({"a": "passed", "b": "failed", "c": "passed", "d": "skipped"})], [1])
     [0.6666666666666666]
     """
-    return [r.fraction_passed for r in reports]
+    return [r.fraction(task_reward) for r in reports]
 
 
-def per_test_efficiency(reports: Sequence[TestReport], turns: Sequence[int], tests_weight: float = 0.8, efficiency_weight: float = 0.2) -> list[float]:
+def per_test_efficiency(reports: Sequence[TestReport], turns: Sequence[int], tests_weight: float = 0.8, efficiency_weight: float = 0.2, task_reward: str = "reward") -> list[float]:
     """Per-test fraction plus a bonus for the faster successes of the group.
 
     Among the strict successes, the bonus falls linearly from 1 (fewest turns)
@@ -46,23 +53,41 @@ def per_test_efficiency(reports: Sequence[TestReport], turns: Sequence[int], tes
     >>> [round(x, 3) for x in per_test_efficiency([ok, ok, half], [2, 4, 1])]
     [1.0, 0.8, 0.4]
     """
-    wins = [t for r, t in zip(reports, turns) if r.strict]
+    wins = [t for r, t in zip(reports, turns) if r.solved(task_reward)]
     fewest, most = (min(wins), max(wins)) if wins else (0, 0)
     scores = []
     for report, n_turns in zip(reports, turns):
         bonus = 0.0
-        if report.strict:
+        if report.solved(task_reward):
             bonus = 1.0 if most == fewest else (most - n_turns) / (most - fewest)
-        scores.append(tests_weight * report.fraction_passed + efficiency_weight * bonus)
+        scores.append(tests_weight * report.fraction(task_reward) + efficiency_weight * bonus)
+    return scores
+
+
+def task_reward(reports: Sequence[TestReport], turns: Sequence[int], name: str = "reward") -> list[float]:
+    """The task's own reward called `name` (from reward.json or reward.txt), as written; 0 for a report with none.
+
+    >>> from tbexp.verifier import TestReport
+    >>> task_reward([TestReport({"a": "passed"}, {"reward": 1.0, "quality": 0.3}), TestReport()], [1, 1], "quality")
+    [0.3, 0.0]
+    """
+    scores = []
+    for report in reports:
+        if report.rewards and name not in report.rewards:
+            raise ValueError(f"reward.task_reward={name!r}: the task's reward file has only {sorted(report.rewards)}")
+        scores.append(report.rewards.get(name, 0.0))
     return scores
 
 
 def score_group(settings: Any, reports: Sequence[TestReport], turns: Sequence[int]) -> list[float]:
     """Apply the reward named by the `reward` config node to one group."""
+    key = getattr(settings, "task_reward", "reward")
     if settings.name == "binary":
-        return binary(reports, turns)
+        return binary(reports, turns, key)
     if settings.name == "per_test":
-        return per_test(reports, turns)
+        return per_test(reports, turns, key)
     if settings.name == "per_test_efficiency":
-        return per_test_efficiency(reports, turns, settings.tests_weight, settings.efficiency_weight)
-    raise ValueError(f"reward.name={settings.name!r}: choose binary, per_test or per_test_efficiency")
+        return per_test_efficiency(reports, turns, settings.tests_weight, settings.efficiency_weight, key)
+    if settings.name == "task_reward":
+        return task_reward(reports, turns, key)
+    raise ValueError(f"reward.name={settings.name!r}: choose binary, per_test, per_test_efficiency or task_reward")

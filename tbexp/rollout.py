@@ -1,11 +1,14 @@
 """Episodes: one policy, one task, one fresh sandbox, then the verifier.
 
 `run_episode` is the whole life of a sandbox: start → agent turns until the
-agent is done or `max_turns` → tests → stop. It never raises: a broken
-sandbox or verifier makes the episode *invalid* (with the reason), which
-callers drop instead of scoring 0; whatever the agent's commands do only
-shapes the test results. `run_episodes` runs many at once on threads (the
-work happens in sandbox processes, so threads suffice) with a progress bar.
+agent is done or `max_turns` → tests → stop. It never raises. Its verdict
+follows `tbexp.verdicts`: a sandbox or verifier that fails for reasons the
+agent cannot cause makes the episode *invalid* (with the reason), which
+callers drop instead of scoring 0; damage the agent's own commands do to its
+sandbox is the agent's failure, so that episode is scored (0 where the
+verifier could check nothing) with `damage` saying what broke.
+`run_episodes` runs many at once on threads (the work happens in sandbox
+processes, so threads suffice) with a progress bar.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any
 from tbexp.agents.base import Agent, ShellSession, Turn
 from tbexp.sandboxes.base import SandboxError, make_sandbox
 from tbexp.tasks.harbor_task import Task
+from tbexp.verdicts import INFRA_ERRORS, NO_RESULT, judge, second_look
 from tbexp.verifier import TestReport, VerifierError, verify
 
 PolicyFactory = Callable[[Task, Agent], Any]
@@ -32,6 +36,7 @@ class Episode:
     turns: list[Turn] = field(default_factory=list)
     report: TestReport | None = None
     invalid: str = ""  # why the episode cannot be scored; "" when it can
+    damage: str = ""  # what the agent's commands broke (the episode is still scored); "" when nothing
     time_s: dict[str, float] = field(default_factory=dict)  # start, agent, verify, stop
     messages: list[dict[str, str]] = field(default_factory=list)
     policy: Any = None  # what acted; a model policy keeps the episode's sampled tokens (training reads them)
@@ -49,6 +54,7 @@ def run_episode(task: Task, run: int, agent: Agent, policy_factory: PolicyFactor
     episode = Episode(task, run)
     clock = time.perf_counter()
     sandbox = make_sandbox(sandbox_settings, task)
+    failure = health = ""  # a verifier that gave no result after the agent acted, and the sandbox's state then
     try:
         policy = episode.policy = policy_factory(task, agent)
         sandbox.start()
@@ -57,7 +63,12 @@ def run_episode(task: Task, run: int, agent: Agent, policy_factory: PolicyFactor
             sandbox.upload(local, remote)
         _agent_loop(episode, agent, policy, ShellSession(sandbox, sandbox.workdir), max_turns)
         clock = _lap(episode, "agent", clock)
-        episode.report = verify(sandbox, task)
+        try:
+            episode.report = verify(sandbox, task)
+        except INFRA_ERRORS as err:
+            if not _agent_acted(episode):
+                raise  # the agent ran nothing: the failure cannot be its
+            episode.report, failure, health = second_look(sandbox, task, err)
         clock = _lap(episode, "verify", clock)
     except (SandboxError, VerifierError, OSError) as err:
         episode.invalid = f"{type(err).__name__}: {err}"
@@ -69,7 +80,16 @@ def run_episode(task: Task, run: int, agent: Agent, policy_factory: PolicyFactor
         except Exception as err:  # a sandbox that cannot be stopped must not take the run down with it
             episode.invalid = episode.invalid or f"stop failed: {err}"
         _lap(episode, "stop", clock)
+    if failure and not episode.invalid:  # after the stop: the control sandbox must not share this one's resources
+        episode.invalid, damage = judge(failure, health, task, sandbox_settings)
+        episode.damage = "; ".join(d for d in (episode.damage, damage) if d)
+        episode.report = None if episode.invalid else NO_RESULT
     return episode
+
+
+def _agent_acted(episode: Episode) -> bool:
+    """The agent ran at least one command (one that broke the sandbox counts)."""
+    return bool(episode.damage) or any(turn.results for turn in episode.turns)
 
 
 def _agent_loop(episode: Episode, agent: Agent, policy: Any, shell: ShellSession, max_turns: int) -> None:
@@ -85,7 +105,12 @@ def _agent_loop(episode: Episode, agent: Agent, policy: Any, shell: ShellSession
             if left <= 0:
                 break
             limit = min(left, max(timeout_s or 0.0, shell.sandbox.settings.command_timeout_s))
-            turn.results.append(shell.run(command, limit))
+            try:
+                turn.results.append(shell.run(command, limit))
+            except (SandboxError, OSError) as err:  # the agent's command broke its sandbox: its failure, still scored
+                episode.turns.append(turn)
+                episode.damage = f"a command broke the sandbox: {type(err).__name__}: {err}"
+                return
         episode.turns.append(turn)
         if turn.action.done or time.monotonic() >= deadline:
             return  # an agent time-out is still graded, as in Harbor
@@ -117,4 +142,6 @@ def run_episodes(jobs: Iterable[tuple[Task, int]], concurrency: int, run_one: Ca
             bar.update(1)
             if episode.invalid:
                 bar.write(f"invalid episode {episode.task.name} run {episode.run}: {episode.invalid.splitlines()[0]}")
+            elif episode.damage:
+                bar.write(f"damaged episode {episode.task.name} run {episode.run} (scored): {episode.damage.splitlines()[0]}")
     return episodes

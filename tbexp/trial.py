@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,9 @@ def report(cfg: Any, metric: str, value: float, step: int, higher_is_better: boo
     """Report `metric` at `step` to this job's trial; raise TrialPruned if the trial should stop."""
     settings = cfg.get("trial") if hasattr(cfg, "get") else None
     if settings is None or settings.number < 0 or metric != settings.pruning_metric:
+        return
+    if math.isnan(value):  # an eval with no valid episode says nothing about the trial; the pruner is not told
+        log.warning("trial %s: %s is NaN at step %d (no valid episode); not reported to the pruner", settings.number, metric, step)
         return
     import optuna
     from optuna.exceptions import UpdateFinishedTrialError

@@ -4,9 +4,18 @@ Stale results are deleted, `tests/` is copied to `/tests` (only now, so the
 agent never saw it), `/tests/test.sh` runs with its output in
 `/logs/verifier/test-stdout.txt`, and the results are read back from
 `/logs/verifier/`: per-test outcomes from pytest's CTRF JSON (`ctrf.json`)
-or JUnit XML (`*.xml`), and the task's own reward from `reward.json` (a
-flat object of numbers) or `reward.txt` (one number). A verifier that
-produced neither is broken, which makes the episode invalid (not a 0).
+or JUnit XML (`*.xml`), and the task's own rewards from `reward.json` (a
+flat object of numbers, every name kept) or `reward.txt` (one number, named
+`reward`). A verifier that produced neither, or whose task's tests are pytest
+files (`tests/test_*.py`, `*_test.py`, or a test.sh that calls pytest) but that
+reported no test that passed or failed, raises `VerifierError`: it ran no test,
+so a reward file it wrote measures nothing. Whose failure that is (the agent's,
+which wrecked what the tests need, or the verifier's) is decided in
+`tbexp.verdicts`, never here.
+
+Before the upload, one exec empties `/tests` and makes `/logs/verifier` a
+fresh directory, so nothing the agent planted there (a `conftest.py`, a
+symlink, a file where the directory belongs) is read by the tests.
 """
 
 from __future__ import annotations
@@ -23,6 +32,13 @@ from tbexp.sandboxes.base import Sandbox
 from tbexp.tasks.harbor_task import Task
 
 PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
+# `/tests` may be a mount point (bwrap), so its contents go, not the directory. A symlink or a file where
+# /tests or /logs belongs is removed first: emptying a symlinked /tests would empty what it points to.
+PREPARE = (
+    'for d in /tests /logs; do { [ -L "$d" ] || { [ -e "$d" ] && [ ! -d "$d" ]; }; } && rm -f "$d"; done; '
+    "rm -rf /tests/* /tests/.[!.]* /tests/..?* /logs/verifier 2>/dev/null; mkdir -p /tests /logs/verifier"
+)
+PREPARE_TIMEOUT_S = 30.0
 
 
 class VerifierError(TbexpError, RuntimeError):
@@ -48,19 +64,36 @@ class TestReport:
     @property
     def fraction_passed(self) -> float:
         """Per-test pass fraction; falls back to the task's own reward when it reports no tests."""
-        if self.n_total:
-            return self.n_passed / self.n_total
-        return min(max(self.rewards.get("reward", 0.0), 0.0), 1.0)
+        return self.fraction("reward")
 
     @property
     def strict(self) -> bool:
         """Every test passed (or, with no per-test results, the task's reward is 1)."""
+        return self.solved("reward")
+
+    def fraction(self, task_reward: str = "reward") -> float:
+        """Per-test pass fraction, or, with no per-test results, the task's reward named `task_reward` in [0, 1]."""
+        if self.n_total:
+            return self.n_passed / self.n_total
+        return min(max(self.rewards.get(task_reward, 0.0), 0.0), 1.0)
+
+    def solved(self, task_reward: str = "reward") -> bool:
+        """Every test passed, or, with no per-test results, the task's reward named `task_reward` is at least 1."""
         if self.n_total:
             return self.n_passed == self.n_total
-        return self.rewards.get("reward", 0.0) >= 1.0
+        return self.rewards.get(task_reward, 0.0) >= 1.0
+
+
+def runs_pytest(task: Task) -> bool:
+    """The task's tests are pytest files, so a verifier that reports no test result ran no test."""
+    tests = task.tests_dir
+    if any(tests.rglob("test_*.py")) or any(tests.rglob("*_test.py")):
+        return True
+    return "pytest" in (tests / "test.sh").read_text(errors="replace")
 
 
 def verify(sandbox: Sandbox, task: Task) -> TestReport:
+    sandbox.exec(PREPARE, timeout_s=PREPARE_TIMEOUT_S)  # what it cannot clear, the upload and the tests meet
     sandbox.upload(task.tests_dir, "/tests")
     # One exec: clearing stale results and running the tests together saves a sandbox start per episode.
     run = sandbox.exec("rm -rf /logs/verifier && mkdir -p /logs/verifier && bash /tests/test.sh > /logs/verifier/test-stdout.txt 2>&1", timeout_s=task.verifier_timeout_s)
@@ -69,7 +102,11 @@ def verify(sandbox: Sandbox, task: Task) -> TestReport:
             sandbox.download("/logs/verifier", Path(tmp))
         except FileNotFoundError as err:
             raise VerifierError(f"{task.name}: /logs/verifier missing after test.sh (exit {run.exit_code})") from err
-        return read_results(Path(tmp), task.name, timed_out=run.timed_out)
+        report = read_results(Path(tmp), task.name, timed_out=run.timed_out)
+    if not report.n_total and runs_pytest(task):
+        rewards = ", ".join(f"{k}={v:g}" for k, v in report.rewards.items()) or "none"
+        raise VerifierError(f"{task.name}: the tests are pytest files but test.sh reported no test that passed or failed (no CTRF or JUnit results; rewards written: {rewards}); last output:\n{report.log_tail[-500:]}")
+    return report
 
 
 def read_results(logs: Path, task_name: str = "", timed_out: bool = False) -> TestReport:

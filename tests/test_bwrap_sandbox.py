@@ -53,6 +53,21 @@ def test_download_does_not_follow_a_symlink_out(sandbox, tmp_path):
     assert (tmp_path / "d" / "etc").is_symlink()  # copied as a link, never followed
 
 
+def test_upload_does_not_follow_a_symlink_the_sandbox_planted(sandbox, tmp_path):
+    # The host does the copy: a planted link must be replaced, or the write lands on the host file it names.
+    host_file, host_dir = tmp_path / "host.txt", tmp_path / "host-dir"
+    host_dir.mkdir()
+    sandbox.exec(f"mkdir -p /tests && ln -s {host_file} /tests/test.sh && ln -s {host_dir} /tests/sub && ln -s {host_file} /tmp/one")
+    (tmp_path / "tests" / "sub").mkdir(parents=True)
+    (tmp_path / "tests" / "test.sh").write_text("echo real\n")
+    (tmp_path / "tests" / "sub" / "x.py").write_text("x = 1\n")
+    (tmp_path / "single.txt").write_text("one\n")
+    sandbox.upload(tmp_path / "tests", "/tests")
+    sandbox.upload(tmp_path / "single.txt", "/tmp/one")
+    assert not host_file.exists() and not any(host_dir.iterdir())
+    assert sandbox.exec("cat /tests/test.sh /tests/sub/x.py /tmp/one; test -L /tests/sub || echo no-link").output == "echo real\nx = 1\none\nno-link\n"
+
+
 def test_root_is_read_only_and_host_files_are_invisible(sandbox):
     assert sandbox.exec("touch /usr/x").exit_code != 0
     result = sandbox.exec(f"ls {REPO} /work /root/.cache 2>&1; cat /etc/hostname")

@@ -86,3 +86,69 @@ def test_broken_task_toml_is_refused_naming_the_file(tmp_path):
     (broken / "task.toml").write_text("[task\nname = 'x'\n")
     out = subprocess.run([sys.executable, "-m", "tbexp", "stage=eval", "tasks=dir", f"tasks.path={tasks}", f"hydra.run.dir={tmp_path}/run"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and f"{broken}/task.toml: broken TOML" in out.stderr
+
+
+def _fake(name: str, run: int, strict: bool | None, invalid: str = "", damage: str = ""):
+    from types import SimpleNamespace
+
+    from tbexp.verifier import FAILED, PASSED, TestReport
+
+    report = None if invalid else TestReport({"a": PASSED if strict else FAILED})
+    return SimpleNamespace(task=SimpleNamespace(name=name, family="f"), run=run, invalid=invalid, damage=damage, report=report, turns=[None], n_commands=1, n_valid_commands=1)
+
+
+def test_metrics_over_no_valid_episode_are_nan_and_say_why():
+    import math
+
+    from tbexp.scoring import no_valid_reason, summarize, task_rows
+
+    broken = [_fake("t", r, None, invalid="SandboxError: cannot start a container") for r in range(3)] + [_fake("u", 0, None, invalid="VerifierError: x")]
+    metrics = summarize(broken, {})
+    for key in ("reward", "strict_success", "pass@1", "pass@1_stderr", "valid_command_rate", "avg_turns"):
+        assert math.isnan(metrics[f"eval/{key}"]), key
+    assert metrics["eval/strict_success_all"] == 0.0 and metrics["eval/invalid_episodes"] == 4.0
+    assert no_valid_reason(broken).startswith("no valid episode: 4 invalid (SandboxError x3, VerifierError x1)")
+    rows = task_rows(broken, {})
+    assert math.isnan(rows[0]["reward"]) and rows[0]["note"].startswith("no valid episode: 3 invalid (SandboxError x3)")
+
+
+def test_strict_success_all_counts_invalid_episodes_as_failures_and_damage_is_counted():
+    from tbexp.scoring import no_valid_reason, summarize, task_rows
+
+    episodes = [_fake("t", 0, True), _fake("t", 1, False, damage="the sandbox no longer ran commands"), _fake("t", 2, None, invalid="SandboxError: gone"), _fake("u", 0, True)]
+    rewards = {id(episodes[0]): 1.0, id(episodes[1]): 0.0, id(episodes[3]): 1.0}
+    metrics = summarize(episodes, rewards)
+    assert metrics["eval/strict_success"] == 2 / 3 and metrics["eval/strict_success_all"] == 2 / 4
+    assert metrics["eval/reward"] == 2 / 3 and metrics["eval/damaged_episodes"] == 1.0 and metrics["eval/invalid_episodes"] == 1.0
+    assert no_valid_reason(episodes) == "" and task_rows(episodes, rewards)[0]["damaged"] == 1
+
+
+def test_an_eval_whose_task_cannot_start_reports_nan_beside_the_scored_one(rootfs, tmp_path, monkeypatch, capsys):
+    tasks = tmp_path / "tasks"
+    make_task(tasks, "good")
+    broken = make_task(tasks, "broken")
+    (broken / "environment" / "Dockerfile").write_text("FROM tbexp-base:bookworm\nCOPY missing-dir/ /app/\n")
+    metrics, rows = _eval(tmp_path / "run", monkeypatch, "tasks=dir", f"tasks.path={tasks}", "eval.n_runs=2", "eval.save_episodes=4")
+    assert metrics["eval/strict_success"] == 1.0 and metrics["eval/strict_success_all"] == 0.5 and metrics["eval/invalid_episodes"] == 2
+    by_task = {r["task"]: r for r in rows}
+    assert by_task["test/broken"]["reward"] == "nan" and by_task["test/broken"]["note"].startswith("no valid episode: 2 invalid")
+    assert by_task["test/good"]["reward"] == "1.0" and by_task["test/good"]["note"] == ""
+    assert "no valid episode: 2 invalid" in capsys.readouterr().out
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["eval/strict_success_all"] == 0.5 and summary["eval/invalid_episodes"] == 2.0
+    record = json.loads((tmp_path / "run" / "episodes" / "test__good-run0.json").read_text())
+    assert record["task_rewards"] == {"reward": 1.0} and record["damage"] == ""
+
+
+def test_an_eval_with_no_valid_episode_keeps_nan_in_summary_json(rootfs, tmp_path, monkeypatch, capsys):
+    import math
+
+    tasks = tmp_path / "tasks"
+    broken = make_task(tasks, "broken")
+    (broken / "environment" / "Dockerfile").write_text("FROM tbexp-base:bookworm\nCOPY missing-dir/ /app/\n")
+    metrics, rows = _eval(tmp_path / "run", monkeypatch, "tasks=dir", f"tasks.path={tasks}", "eval.n_runs=2")
+    assert math.isnan(metrics["eval/reward"]) and metrics["eval/strict_success_all"] == 0.0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert math.isnan(summary["eval/reward"]) and math.isnan(summary["eval/strict_success"]) and summary["eval/invalid_episodes"] == 2.0
+    out = capsys.readouterr().out
+    assert "eval/reward" in out and "nan  (no valid episode: 2 invalid" in out

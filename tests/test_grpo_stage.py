@@ -70,6 +70,22 @@ def test_constant_groups_and_invalid_episodes_teach_nothing():
     assert datums[0].loss_fn_inputs["advantages"].tolist() == pytest.approx([1.0 / 2], rel=1e-5)
 
 
+def test_a_damaged_episode_is_scored_zero_and_taught_against_not_dropped():
+    # The agent broke its own sandbox (tbexp.verdicts): the episode is not invalid, its report is empty.
+    from tbexp.scoring import score_episodes
+    from tbexp.verdicts import NO_RESULT
+
+    record = [SampledTurn(1, [2], [-0.5])]
+    win = _episode("t", {"a": "passed"}, record, [1, 2])
+    wrecked = _episode("t", {}, record, [1, 2])
+    wrecked.report, wrecked.damage = NO_RESULT, "the verifier gave no result after the agent's commands"
+    rewards = score_episodes([win, wrecked], SimpleNamespace(name="per_test"))
+    assert rewards == {id(win): 1.0, id(wrecked): 0.0}
+    datums, counts = grpo_stage._datums([win, wrecked], rewards, scale_by_std=False, reference=None, kl_coef=0.0)
+    assert counts["datums"] == 2 and counts["groups_skipped"] == 0
+    assert datums[1].loss_fn_inputs["advantages"].tolist() == pytest.approx([-0.5 / 2])  # below the group mean
+
+
 def test_kl_penalty_lowers_the_advantage_where_the_policy_left_its_start():
     record = [SampledTurn(1, [2, 3], [-0.5, -0.5])]
     a, b = _episode("t", {"a": "passed"}, record, [1, 2, 3]), _episode("t", {"a": "failed"}, record, [1, 2, 3])
@@ -80,9 +96,12 @@ def test_kl_penalty_lowers_the_advantage_where_the_policy_left_its_start():
     assert counts["kl_start"] == pytest.approx(2 * 1.0 / 4)
 
 
-@pytest.mark.parametrize("metric, expected", [("eval/reward", {0: 0.4, 4: 0.2, 8: 0.3}), ("grpo/best_reward", {0: 0.4, 4: 0.4, 8: 0.4})])
+@pytest.mark.parametrize("metric, expected", [("eval/reward", {4: 0.4, 8: 0.2, 12: 0.3}), ("grpo/best_reward", {4: 0.4, 8: 0.4, 12: 0.4})])
 def test_a_sweep_trial_hears_the_latest_or_the_peak_held_out_reward(tmp_path, metric, expected):
-    """The reward at each eval, or the peak so far (what the stage would return): the trial's pruning metric picks."""
+    """The reward at each eval, or the peak so far (what the stage would return): the trial's pruning metric picks.
+
+    An eval with no valid episode (NaN, at step 0) is not reported, and is never the peak.
+    """
     import optuna
 
     from tbexp.study import load_study, open_storage
@@ -91,7 +110,7 @@ def test_a_sweep_trial_hears_the_latest_or_the_peak_held_out_reward(tmp_path, me
     optuna.create_study(study_name="s", storage=open_storage(storage), direction="maximize").ask()
     cfg = compose_config("trial.number=0", "trial.study=s", f"trial.storage={storage}", f"trial.pruning_metric={metric}")
     evals = []
-    for step, reward in ((0, 0.4), (4, 0.2), (8, 0.3)):  # RL spoils a good start, then recovers part of it
+    for step, reward in ((0, float("nan")), (4, 0.4), (8, 0.2), (12, 0.3)):  # RL spoils a good start, recovers part of it
         evals.append({"step": step, "eval/reward": reward})
         grpo_stage._report(cfg, evals, step)
     assert load_study(storage, "s").trials[0].intermediate_values == expected
@@ -177,16 +196,22 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_does(warm_start, tmp_path
 @pytest.mark.sandbox
 def test_a_broken_episode_is_dropped_and_the_step_goes_on(warm_start, tmp_path, monkeypatch):
     import tbexp.rollout as rollout
+    from tbexp.sandboxes.base import SandboxError
 
-    real_verify = rollout.verify
+    real_make_sandbox = rollout.make_sandbox
     calls = iter(range(1000))
 
-    def verify_breaks_once(sandbox, task):
+    def start_breaks_once(settings, task):  # a sandbox that cannot start: the infrastructure's failure, not the agent's
+        sandbox = real_make_sandbox(settings, task)
         if next(calls) == 1:
-            raise OSError("the verifier's disk went away")
-        return real_verify(sandbox, task)
 
-    monkeypatch.setattr(rollout, "verify", verify_breaks_once)
+            def broken_start():
+                raise SandboxError("the image went away")
+
+            sandbox.start = broken_start
+        return sandbox
+
+    monkeypatch.setattr(rollout, "make_sandbox", start_breaks_once)
     _grpo(tmp_path, monkeypatch, warm_start, "grpo.steps=1", "grpo.eval_at_start=false", "grpo.eval_every=1")
     step = next(r for r in _rows(tmp_path) if "rollout/reward_mean" in r)
     assert step["rollout/invalid_episodes"] == 1.0

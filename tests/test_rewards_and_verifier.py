@@ -83,3 +83,35 @@ def test_no_results_at_all_is_a_verifier_error(tmp_path):
     (tmp_path / "test-stdout.txt").write_text("bash: /tests/test.sh: line 3: pytest: command not found\n")
     with pytest.raises(VerifierError, match="no reward file"):
         read_results(tmp_path, "demo")
+
+
+def test_every_named_reward_is_kept_and_the_reward_chooses_which_it_reads(tmp_path):
+    (tmp_path / "reward.json").write_text('{"reward": 0.0, "quality": 0.75, "speed": 2}')
+    report = read_results(tmp_path)
+    assert report.rewards == {"reward": 0.0, "quality": 0.75, "speed": 2.0}
+    assert per_test([report], [1]) == [0.0]  # the default reads `reward`, as before
+    assert score_group(SimpleNamespace(name="per_test", task_reward="quality"), [report], [1]) == [0.75]
+    assert score_group(SimpleNamespace(name="binary", task_reward="quality"), [report], [1]) == [0.0]
+    assert score_group(SimpleNamespace(name="task_reward", task_reward="speed"), [report, TestReport()], [1, 1]) == [2.0, 0.0]
+    with_tests = TestReport({"a": PASSED, "b": FAILED}, {"reward": 0.0, "quality": 0.9})
+    assert score_group(SimpleNamespace(name="per_test", task_reward="quality"), [with_tests], [1]) == [0.5]  # tests win
+    assert score_group(SimpleNamespace(name="task_reward", task_reward="quality"), [with_tests], [1]) == [0.9]
+
+
+def test_a_task_reward_the_task_does_not_write_is_refused_naming_it():
+    with pytest.raises(ValueError, match="reward.task_reward='quality'.*'reward'"):
+        score_group(SimpleNamespace(name="task_reward", task_reward="quality"), [TestReport({}, {"reward": 1.0})], [1])
+
+
+def test_pytest_tasks_are_told_from_reward_file_tasks(tmp_path):
+    from tbexp.tasks import load_task
+    from tbexp.verifier import runs_pytest
+    from tests.conftest import make_task
+
+    assert runs_pytest(load_task(make_task(tmp_path, "pytest-files")))
+    plain = make_task(tmp_path, "reward-file")
+    (plain / "tests" / "test_outputs.py").unlink()
+    (plain / "tests" / "test.sh").write_text("#!/bin/bash\ngrep -q done /app/out.txt && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n")
+    assert not runs_pytest(load_task(plain))
+    (plain / "tests" / "test.sh").write_text("#!/bin/bash\ncd /tests && uvx pytest --ctrf /logs/verifier/ctrf.json check.py\n")
+    assert runs_pytest(load_task(plain))  # test.sh calls pytest on a file not named test_*.py

@@ -106,7 +106,7 @@ def test_failed_nan_killed_and_timed_out_trials_fail_and_the_sweep_goes_on(tmp_p
     assert [t.state for t in trials] == [TrialState.FAIL] * 4 + [TrialState.COMPLETE]
     reasons = [t.user_attrs[FAIL_REASON_ATTR] for t in trials[:4]]
     assert "RuntimeError: trial 0 raises on purpose" in reasons[0]
-    assert "not a finite number" in reasons[1]
+    assert "not a finite number" in reasons[1] and "no valid episode" in reasons[1]  # a NaN objective says why
     assert "SIGKILL" in reasons[2]
     assert "timed out after 5 s" in reasons[3]
     assert "raises on purpose" in done.stdout + done.stderr  # the failed job's output is shown

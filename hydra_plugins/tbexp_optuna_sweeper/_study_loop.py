@@ -167,7 +167,8 @@ class _Sweep:
             return
         value = _objective(outcome.value, self.s.objective.metric)
         if value is None:
-            self._fail(record, f"the job returned {outcome.value!r}, not a finite number for {self.s.objective.metric}")
+            nan = " (NaN: what an eval with no valid episode gives; the job's tasks.csv says why)" if _is_nan(outcome.value, self.s.objective.metric) else ""
+            self._fail(record, f"the job returned {outcome.value!r}, not a finite number for {self.s.objective.metric}{nan}")
             return
         self.study.tell(record.number, value, skip_if_finished=True)
         log.info("trial %d: COMPLETE %s=%.4f after %.1f s (%s)", record.number, self.s.objective.metric, value, took, _describe(record.values))
@@ -269,6 +270,12 @@ def _objective(value: Any, metric: str) -> float | None:
     except (TypeError, ValueError):
         return None
     return number if math.isfinite(number) else None
+
+
+def _is_nan(value: Any, metric: str) -> bool:
+    if isinstance(value, Mapping):
+        value = value.get(metric)
+    return isinstance(value, float) and math.isnan(value)
 
 
 def _describe(values: Mapping[str, Any]) -> str:

@@ -81,11 +81,9 @@ class BwrapSandbox(Sandbox):
     def upload(self, local: Path, remote: str) -> None:
         host = self._host_path(remote)
         local = Path(local)
-        if local.is_dir():
-            shutil.copytree(local, host, dirs_exist_ok=True, symlinks=True)
-        else:
+        if not local.is_dir():
             host.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(local, host)
+        _copy_in(local, host)
 
     def download(self, remote: str, local: Path) -> None:
         host = self._host_path(remote)
@@ -181,6 +179,22 @@ def _read_capped(proc: subprocess.Popen, timeout_s: float, limit: int, kill) -> 
                 break
     proc.stdout.close()
     return b"".join(chunks)[:limit], timed_out, truncated
+
+
+def _copy_in(local: Path, host: Path) -> None:
+    """Copy `local` onto `host` inside a sandbox's work dir, never through what the sandbox put there.
+
+    The host does the copy, so a symlink the agent planted on the way (`/tests/test.sh -> /etc/passwd`)
+    would lead the write out of the sandbox: it is removed, as is a file where a directory goes.
+    """
+    if host.is_symlink() or (host.exists() and host.is_dir() != local.is_dir()):
+        shutil.rmtree(host) if host.is_dir() and not host.is_symlink() else host.unlink()
+    if local.is_dir() and not local.is_symlink():
+        host.mkdir(exist_ok=True)
+        for child in local.iterdir():
+            _copy_in(child, host / child.name)
+    else:
+        shutil.copy2(local, host, follow_symlinks=False)
 
 
 def _mount_tmpfs(path: Path, size_mb: int) -> bool:

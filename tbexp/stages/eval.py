@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import math
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -20,7 +21,7 @@ from tbexp.build import eval_seed, model_runtime, run_policy
 from tbexp.plots import plot_eval
 from tbexp.policies import POLICIES, ModelRuntime
 from tbexp.rollout import Episode
-from tbexp.scoring import score_episodes, summarize, task_rows
+from tbexp.scoring import no_valid_reason, score_episodes, summarize, task_rows
 from tbexp.tasks import load_task_set
 from tbexp.tracking import Tracker, run_dir, write_summary
 
@@ -85,13 +86,18 @@ def promotion(rows: dict[str, dict[str, float]], metric: str, margin: float) -> 
     'new'
     >>> promotion({"old": {"m": 0.30}, "new": {"m": 0.33}}, "m", 0.05)["chosen"]
     'old'
+    >>> promotion({"old": {"m": 0.30}, "broken": {"m": float("nan")}, "new": {"m": 0.40}}, "m", 0.05)["chosen"]
+    'new'
     """
     names = list(rows)
     incumbent = names[0]
     if len(names) == 1:
         return {"chosen": incumbent, "promoted": False, "metric": metric, "message": f"only {incumbent}: nothing to compare"}
-    challenger = max(names[1:], key=lambda n: rows[n][metric])
+    challenger = max(names[1:], key=lambda n: (not math.isnan(rows[n][metric]), rows[n][metric]))  # NaN: no valid episode
     gain = rows[challenger][metric] - rows[incumbent][metric]
+    if math.isnan(gain):  # a side with no valid episode proves nothing: keep what is there, and say so
+        unscored = " and ".join(n for n in (incumbent, challenger) if math.isnan(rows[n][metric]))
+        return {"chosen": incumbent, "promoted": False, "metric": metric, "gain": gain, "message": f"KEEP {incumbent}: {metric} of {unscored} is NaN (no valid episode), nothing to compare"}
     promoted = gain > margin
     chosen = challenger if promoted else incumbent
     verb = "PROMOTE" if promoted else "KEEP"
@@ -118,6 +124,9 @@ def evaluate(cfg: Any, out: Path, runtime: ModelRuntime | None = None, label: st
         trained = score_episodes(episodes, cfg.reward)
         metrics[f"eval/{cfg.reward.name}_reward"] = summarize(episodes, trained)["eval/reward"]
     rows = task_rows(episodes, rewards)
+    why_nan = no_valid_reason(episodes)
+    if why_nan:
+        log.warning("eval %s: every metric over scored episodes is NaN: %s", name, why_nan)
     tracker = Tracker(out, cfg.logger)
     tracker.log({f"{label}/{k}" if label else k: v for k, v in metrics.items()})
     tracker.log_table(f"{label}/eval/per_task" if label else "eval/per_task", rows)  # tasks.csv, for W&B / Trackio
@@ -126,9 +135,9 @@ def evaluate(cfg: Any, out: Path, runtime: ModelRuntime | None = None, label: st
     plot_eval(rows, metrics, out / "eval.png", title=f"{name} on {len(tasks)} {cfg.tasks.split} tasks")
     _save_transcripts(out / "episodes", episodes, rewards, cfg.eval.save_episodes)
     if quiet:
-        print(f"{name}: reward {metrics['eval/reward']:.3f}, strict {metrics['eval/strict_success']:.3f}, valid commands {metrics['eval/valid_command_rate']:.3f}, turns {metrics['eval/avg_turns']:.2f}")
+        print(f"{name}: reward {metrics['eval/reward']:.3f}, strict {metrics['eval/strict_success']:.3f}, valid commands {metrics['eval/valid_command_rate']:.3f}, turns {metrics['eval/avg_turns']:.2f}" + (f" ({why_nan})" if why_nan else ""))
     else:
-        print(_format_table(rows, metrics))
+        print(_format_table(rows, metrics, why_nan))
     return metrics
 
 
@@ -139,26 +148,30 @@ def _write_table(path: Path, rows: list[dict[str, Any]]) -> None:
         writer.writerows(rows)
 
 
-def _format_table(rows: list[dict[str, Any]], metrics: dict[str, float]) -> str:
-    head = f"{'task':34} {'family':22} {'strict':>7} {'reward':>7} {'turns':>6} {'invalid':>7}"
+def _format_table(rows: list[dict[str, Any]], metrics: dict[str, float], why_nan: str = "") -> str:
+    """The per-task table and the metrics; a NaN says why beside it (no scored episode), a damaged run is counted."""
+    head = f"{'task':34} {'family':22} {'strict':>7} {'reward':>7} {'turns':>6} {'invalid':>7} {'damaged':>7}"
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['task']:34} {r['family']:22} {r['strict']:>3}/{r['runs']:<3} {r['reward']:7.3f} {r['avg_turns']:6.1f} {r['invalid']:7d}")
+        line = f"{r['task']:34} {r['family']:22} {r['strict']:>3}/{r['runs']:<3} {r['reward']:7.3f} {r['avg_turns']:6.1f} {r['invalid']:7d} {r['damaged']:7d}"
+        lines.append(line + (f"  {r['note']}" if r["note"] else ""))
     lines.append("-" * len(head))
-    lines += [f"{k:28} {v:.4f}" for k, v in metrics.items()]
+    lines += [f"{k:28} {v:.4f}" + (f"  ({why_nan})" if why_nan and math.isnan(v) else "") for k, v in metrics.items()]
     return "\n".join(lines)
 
 
 def _save_transcripts(folder: Path, episodes: list[Episode], rewards: dict[int, float], limit: int) -> None:
     folder.mkdir(exist_ok=True)
-    invalid = [ep for ep in episodes if ep.invalid]
-    for ep in (invalid + [ep for ep in episodes if not ep.invalid])[:limit]:  # the broken ones first: they need a look
+    broken = [ep for ep in episodes if ep.invalid or ep.damage]
+    for ep in (broken + [ep for ep in episodes if not (ep.invalid or ep.damage)])[:limit]:  # the broken ones first: they need a look
         record = {
             "task": ep.task.name,
             "run": ep.run,
             "invalid": ep.invalid,
+            "damage": ep.damage,
             "reward": rewards.get(id(ep)),
             "tests": ep.report.tests if ep.report else {},
+            "task_rewards": ep.report.rewards if ep.report else {},  # every named reward the task wrote
             "time_s": ep.time_s,
             "messages": ep.messages,
             "turns": [{"reply": t.reply, "commands": t.action.commands, "exit_codes": [r.exit_code for r in t.results], "error": t.action.error} for t in ep.turns],

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
 import statistics
 import time
@@ -97,7 +98,8 @@ def train(cfg: Any, out: Path) -> dict[str, Any]:
         tracker.log_checkpoint(state["checkpoint"], step + 1)
         _drop_unless_kept(previous, state)
 
-    best = max(state["evals"], key=lambda e: (e["eval/reward"], -e["step"]))  # ties: the earlier, less-trained one
+    # ties: the earlier, less-trained one; an eval with no valid episode (NaN) is never the peak
+    best = max(state["evals"], key=lambda e: (not math.isnan(e["eval/reward"]), e["eval/reward"], -e["step"]))
     plot_curve([(e["step"], e["eval/reward"]) for e in state["evals"]], out / "grpo.png", "held-out reward over RL steps", mark=best["step"])
     (out / "chosen_checkpoint.txt").write_text(best["checkpoint"] + "\n")
     tracker.log_checkpoint(best["checkpoint"], best["step"], "chosen")
@@ -241,7 +243,7 @@ def _report(cfg: Any, evals: list[dict], step: int) -> None:
     returns that start, and judged on its latest reward it would be stopped and its good result thrown away.
     """
     trial.report(cfg, "eval/reward", evals[-1]["eval/reward"], step)
-    trial.report(cfg, "grpo/best_reward", max(e["eval/reward"] for e in evals), step)
+    trial.report(cfg, "grpo/best_reward", max((e["eval/reward"] for e in evals if not math.isnan(e["eval/reward"])), default=math.nan), step)
 
 
 def _drop_unless_kept(checkpoint: str, state: dict) -> None:
