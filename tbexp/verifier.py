@@ -18,6 +18,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tbexp.sandboxes import provision
 from tbexp.sandboxes.base import Sandbox
 from tbexp.tasks.harbor_task import Task
 
@@ -62,13 +63,29 @@ class TestReport:
 def verify(sandbox: Sandbox, task: Task) -> TestReport:
     sandbox.upload(task.tests_dir, "/tests")
     # One exec: clearing stale results and running the tests together saves a sandbox start per episode.
-    run = sandbox.exec("rm -rf /logs/verifier && mkdir -p /logs/verifier && bash /tests/test.sh > /logs/verifier/test-stdout.txt 2>&1", timeout_s=task.verifier_timeout_s)
+    test_sh = provision.verifier_command(getattr(sandbox, "provision", None), "bash /tests/test.sh")  # uv offline, when provisioned
+    run = sandbox.exec(f"rm -rf /logs/verifier && mkdir -p /logs/verifier && {test_sh} > /logs/verifier/test-stdout.txt 2>&1", timeout_s=task.verifier_timeout_s)
     with tempfile.TemporaryDirectory(prefix="tbexp-verifier-") as tmp:
         try:
             sandbox.download("/logs/verifier", Path(tmp))
         except FileNotFoundError as err:
             raise VerifierError(f"{task.name}: /logs/verifier missing after test.sh (exit {run.exit_code})") from err
-        return read_results(Path(tmp), task.name, timed_out=run.timed_out)
+        try:
+            report = read_results(Path(tmp), task.name, timed_out=run.timed_out)
+        except VerifierError:
+            _raise_if_no_python(sandbox, Path(tmp), task.name)
+            raise
+        if not report.tests:
+            _raise_if_no_python(sandbox, Path(tmp), task.name)
+        return report
+
+
+def _raise_if_no_python(sandbox: Sandbox, logs: Path, task_name: str) -> None:
+    """No test ran because uv found no interpreter of the version test.sh asks for: the environment's fault."""
+    stdout = logs / "test-stdout.txt"
+    why = provision.missing_python(getattr(sandbox, "provision", None), stdout.read_text(errors="replace") if stdout.is_file() else "")
+    if why:
+        raise VerifierError(f"{task_name}: {why}")
 
 
 def read_results(logs: Path, task_name: str = "", timed_out: bool = False) -> TestReport:
