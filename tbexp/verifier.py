@@ -63,8 +63,9 @@ class TestReport:
 def verify(sandbox: Sandbox, task: Task) -> TestReport:
     sandbox.upload(task.tests_dir, "/tests")
     # One exec: clearing stale results and running the tests together saves a sandbox start per episode.
-    test_sh = provision.verifier_command(getattr(sandbox, "provision", None), "bash /tests/test.sh")  # uv offline, when provisioned
-    run = sandbox.exec(f"rm -rf /logs/verifier && mkdir -p /logs/verifier && {test_sh} > /logs/verifier/test-stdout.txt 2>&1", timeout_s=task.verifier_timeout_s)
+    test_sh = provision.verifier_command(getattr(sandbox, "provision", None), "bash /tests/test.sh")  # uv offline
+    command = f"rm -rf /logs/verifier && mkdir -p /logs/verifier && {test_sh} > /logs/verifier/test-stdout.txt 2>&1"
+    run = sandbox.exec(command, timeout_s=task.verifier_timeout_s)
     with tempfile.TemporaryDirectory(prefix="tbexp-verifier-") as tmp:
         try:
             sandbox.download("/logs/verifier", Path(tmp))
@@ -83,7 +84,8 @@ def verify(sandbox: Sandbox, task: Task) -> TestReport:
 def _raise_if_no_python(sandbox: Sandbox, logs: Path, task_name: str) -> None:
     """No test ran because uv found no interpreter of the version test.sh asks for: the environment's fault."""
     stdout = logs / "test-stdout.txt"
-    why = provision.missing_python(getattr(sandbox, "provision", None), stdout.read_text(errors="replace") if stdout.is_file() else "")
+    log_text = stdout.read_text(errors="replace") if stdout.is_file() else ""
+    why = provision.missing_python(getattr(sandbox, "provision", None), log_text)
     if why:
         raise VerifierError(f"{task_name}: {why}")
 

@@ -26,7 +26,10 @@ apt-get install -y curl
 curl -LsSf https://astral.sh/uv/0.9.5/install.sh | sh
 source $HOME/.local/bin/env
 """
-UVX = BOOTSTRAP + "uvx -p {python} -w pytest==8.4.1 -w pytest-json-ctrf==0.3.5 pytest --ctrf /logs/verifier/ctrf.json /tests/test_outputs.py -rA\n"
+UVX = (
+    BOOTSTRAP
+    + "uvx -p {python} -w pytest==8.4.1 -w pytest-json-ctrf==0.3.5 pytest --ctrf /logs/verifier/ctrf.json /tests/test_outputs.py -rA\n"
+)
 UV_PROJECT = BOOTSTRAP + textwrap.dedent("""\
     cd /tests
     set -e
@@ -40,6 +43,7 @@ UV_PROJECT = BOOTSTRAP + textwrap.dedent("""\
     """)
 REWARD = "if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n"
 VARIANTS = {"uvx": UVX.format(python="3.11") + REWARD, "uv-project": UV_PROJECT + REWARD}
+VERIFY_TIMEOUT_S = 300.0
 N_TESTS = 3  # make_task's default tests; test_input_untouched passes without any work
 NOP_PASSES = {"test_outputs.py::test_input_untouched"}
 
@@ -47,9 +51,14 @@ NOP_PASSES = {"test_outputs.py::test_input_untouched"}
 def tb2_task(root: Path, test_sh: str, name: str = "tb2", verifier_env: str = "") -> Path:
     task = make_task(root, name)
     (task / "tests" / "test.sh").write_text(test_sh)
-    if verifier_env:
-        toml = task / "task.toml"
-        toml.write_text(toml.read_text().replace("[verifier]\n", f"[verifier]\nenv = {{ {verifier_env} }}\n"))
+    toml = task / "task.toml"
+    env = f"env = {{ {verifier_env} }}\n" if verifier_env else ""
+    # a loaded machine's Docker exec of apt-get plus uv can pass make_task's 30 s
+    toml.write_text(
+        toml.read_text().replace(
+            "[verifier]\ntimeout_sec = 30.0\n", f"[verifier]\ntimeout_sec = {VERIFY_TIMEOUT_S}\n{env}"
+        )
+    )
     return task
 
 
@@ -58,9 +67,15 @@ def tb2_task(root: Path, test_sh: str, name: str = "tb2", verifier_env: str = ""
 
 def test_needs_are_read_from_both_variants():
     uvx = read_needs(UVX.format(python="3.13"))
-    assert (uvx.uv_version, uvx.requirements, uvx.pythons) == ("0.9.5", ("pytest-json-ctrf==0.3.5", "pytest==8.4.1"), ("3.13",))
+    assert (uvx.uv_version, uvx.requirements, uvx.pythons) == (
+        "0.9.5",
+        ("pytest-json-ctrf==0.3.5", "pytest==8.4.1"),
+        ("3.13",),
+    )
     project = read_needs(UV_PROJECT.replace("uv add pytest==8.4.1", "uv add pytest==8.3.0 numpy==2.1.1"))
-    assert project.requirements == ("numpy==2.1.1", "pytest-json-ctrf==0.3.5", "pytest==8.3.0") and project.pythons == ()
+    assert (
+        project.requirements == ("numpy==2.1.1", "pytest-json-ctrf==0.3.5", "pytest==8.3.0") and project.pythons == ()
+    )
 
 
 def test_unpinned_pytest_gets_the_tb2_pins_and_a_script_without_uv_needs_nothing():
@@ -78,7 +93,9 @@ def test_downloads_other_than_the_uv_installer_are_found():
 
 def test_a_network_task_is_refused_naming_the_url(tmp_path):
     task = load_task(tb2_task(tmp_path, BOOTSTRAP + "wget -q https://example.com/answer.txt\n" + REWARD))
-    with pytest.raises(ProvisionError, match=r"fetches https://example.com/answer.txt; tbexp's sandboxes have no network"):
+    with pytest.raises(
+        ProvisionError, match=r"fetches https://example.com/answer.txt; tbexp's sandboxes have no network"
+    ):
         provision.prepare(task)
 
 
@@ -173,7 +190,9 @@ def test_an_opted_out_task_gets_nothing(provisioned, sandbox_settings, tmp_path)
 @pytest.mark.sandbox
 def test_a_python_the_environment_lacks_is_a_clear_failure(provisioned, sandbox_settings, tmp_path):
     task = tb2_task(tmp_path, UVX.format(python="3.13") + REWARD)
-    with pytest.raises(VerifierError, match=r"asks uv for Python 3.13, which this environment does not have \(it has python3.11\)"):
+    with pytest.raises(
+        VerifierError, match=r"asks uv for Python 3.13, which this environment does not have \(it has python3.11\)"
+    ):
         _episode(_bwrap(), sandbox_settings, task, solve=True)
 
 
@@ -183,7 +202,9 @@ def test_a_python_the_environment_lacks_is_a_clear_failure(provisioned, sandbox_
 def test_docker_oracle_passes_and_nop_fails_offline(variant, provisioned, docker_engine, tmp_path):
     from tbexp.sandboxes.docker import DockerSandbox
 
-    settings = compose_config("sandbox=docker", "sandbox.command_timeout_s=10", "sandbox.disk_mb=256", "sandbox.max_lifetime_s=600").sandbox
+    settings = compose_config(
+        "sandbox=docker", "sandbox.command_timeout_s=10", "sandbox.disk_mb=256", "sandbox.max_lifetime_s=600"
+    ).sandbox
     task = tb2_task(tmp_path, VARIANTS[variant])
     sandbox, solved = _episode(DockerSandbox, settings, task, solve=True)
     assert solved.n_total == N_TESTS and solved.n_passed == N_TESTS, solved.log_tail

@@ -16,7 +16,9 @@ sandboxes have no network, so this module gives them, before test.sh runs:
   there too) and fetched with `pip download`; bound read-only at WHEELS_MOUNT;
 * environment variables for the verifier's exec (VERIFIER_ENV): uv offline,
   no index, find-links to the wheel folder, no Python downloads, only the
-  environment's own interpreters; pip the same.
+  environment's own interpreters; pip the same; and an apt.conf (APT_CONFIG,
+  bound at ETC_MOUNT) that makes the bootstrap's `apt-get update` fail at once
+  rather than after seconds of retries.
 
 Both folders are built once per uv version and requirement set under
 `$TBEXP_CACHE/provision/` (default ~/.cache/tbexp), with a file lock and a
@@ -60,6 +62,8 @@ log = logging.getLogger(__name__)
 
 BIN_MOUNT = "/root/.local/bin"  # where the uv installer puts uv, uvx and env ($HOME/.local/bin, HOME=/root)
 WHEELS_MOUNT = "/root/.local/share/tbexp-provision/wheels"
+ETC_MOUNT = "/root/.local/share/tbexp-provision/etc"
+APT_CONF = 'Acquire::Retries "0";\n'  # offline, test.sh's apt-get update fails at once instead of retrying
 DEFAULT_UV_VERSION = "0.9.5"  # what TB2's test.sh files install; used when the installer URL names no version
 DEFAULT_PINS = {"pytest": "8.4.1", "pytest-json-ctrf": "0.3.5"}  # TB2's pins, for a test.sh that pins neither
 PYTHONS = ("3.9", "3.10", "3.11", "3.12", "3.13", "3.14")  # wheels are fetched for each; uv init's floor is the first
@@ -77,6 +81,7 @@ VERIFIER_ENV = {
     "UV_LINK_MODE": "copy",  # the uv cache (/root) and a project (/tmp, /app) are on different mounts
     "PIP_NO_INDEX": "1",
     "PIP_FIND_LINKS": WHEELS_MOUNT,
+    "APT_CONFIG": f"{ETC_MOUNT}/apt.conf",
 }
 ENV_FILE = """#!/bin/sh
 # Put $HOME/.local/bin first on PATH, once (what the uv installer's env file does).
@@ -86,14 +91,41 @@ case ":$PATH:" in
 esac
 """
 
-_UV_COMMAND = re.compile(r"(^|[\s;&|(`$])(uvx|uv|pip3?)(\s|$)", re.M)
+_UV_COMMAND = re.compile(r"(^|[\s;&|(`$])(uvx|uv|pip3?)(\s|$)", re.MULTILINE)
 _INSTALLER_VERSION = re.compile(r"astral\.sh/uv/(\d+(?:\.\d+)+)/install\.sh")
 _PYTHON_REQUEST = re.compile(r"(?:^|\s)(?:-p|--python)(?:\s+|=)[\"']?(?:python|cpython)?-?(3\.\d+)")
 # options of uv/uvx/pip that take a value which is not a requirement
-_VALUE_OPTIONS = {"-p", "--python", "-r", "--requirement", "--with-requirements", "--from", "-c", "--constraint",
-                  "--index-url", "-i", "--extra-index-url", "--find-links", "-f", "--directory", "--project",
-                  "--cache-dir", "--target", "-t", "--prefix", "--group", "--extra", "--package", "--name",
-                  "--build-constraint", "--python-platform", "--index", "--default-index", "--optional", "--dev"}
+_VALUE_OPTIONS = {
+    "-p",
+    "--python",
+    "-r",
+    "--requirement",
+    "--with-requirements",
+    "--from",
+    "-c",
+    "--constraint",
+    "--index-url",
+    "-i",
+    "--extra-index-url",
+    "--find-links",
+    "-f",
+    "--directory",
+    "--project",
+    "--cache-dir",
+    "--target",
+    "-t",
+    "--prefix",
+    "--group",
+    "--extra",
+    "--package",
+    "--name",
+    "--build-constraint",
+    "--python-platform",
+    "--index",
+    "--default-index",
+    "--optional",
+    "--dev",
+}
 _FETCHER = re.compile(r"(^|[\s;&|(`$])(curl|wget|git\s+clone|git\s+fetch)\s")
 _URL = re.compile(r"((?:https?|ftp)://([^/\s\"':]+)[^\s\"']*)")
 LOCAL_HOSTS = {"localhost", "127.0.0.1", "0.0.0.0", "[::1]"}  # what the sandbox itself may serve
@@ -111,14 +143,15 @@ class Provision:
     pythons: tuple[str, ...]  # the versions test.sh asks uv for (`-p 3.13`, `--python 3.12`)
     bin_dir: Path  # host folder bound at BIN_MOUNT
     wheels_dir: Path  # host folder bound at WHEELS_MOUNT
+    etc_dir: Path  # host folder bound at ETC_MOUNT: apt.conf
     interpreters: tuple[str, ...] | None = None  # python3.X the environment has, set by the sandbox at start
 
     @property
     def mounts(self) -> list[tuple[Path, str]]:
         """(host path, sandbox path) pairs to bind read-only."""
-        return [(self.bin_dir, BIN_MOUNT), (self.wheels_dir, WHEELS_MOUNT)]
+        return [(self.bin_dir, BIN_MOUNT), (self.wheels_dir, WHEELS_MOUNT), (self.etc_dir, ETC_MOUNT)]
 
-    def with_interpreters(self, names: list[str]) -> "Provision":
+    def with_interpreters(self, names: list[str]) -> Provision:
         versions = sorted({m.group(1) for n in names if (m := re.fullmatch(r"python(3\.\d+)", n))}, key=_version_key)
         return replace(self, interpreters=tuple(versions))
 
@@ -142,18 +175,26 @@ def prepare(task) -> Provision | None:
     script = test_sh.read_text(errors="replace")
     urls = network_fetches(script)
     if urls:
-        raise ProvisionError(f"{test_sh} fetches {', '.join(urls)}; tbexp's sandboxes have no network, so this task's "
-                             "verdicts could not be trusted and it is not run (only the uv bootstrap is provisioned)")
+        raise ProvisionError(
+            f"{test_sh} fetches {', '.join(urls)}; tbexp's sandboxes have no network, so this task's "
+            "verdicts could not be trusted and it is not run (only the uv bootstrap is provisioned)"
+        )
     if opted_out(task):
         return None
     needs = read_needs(script)
     if needs is None:
         return None
     root = cache_root() / "provision"
-    bin_dir = _ensure(root / f"uv-{needs.uv_version}-{platform.machine()}", lambda tmp: _build_uv(tmp, needs.uv_version))
+    bin_dir = _ensure(
+        root / f"uv-{needs.uv_version}-{platform.machine()}", lambda tmp: _build_uv(tmp, needs.uv_version)
+    )
     digest = hashlib.sha256("\n".join(needs.requirements).encode()).hexdigest()[:16]
     wheels = _ensure(root / f"wheels-{digest}", lambda tmp: _build_wheels(tmp, needs.requirements, bin_dir / "uv"))
-    return Provision(needs.uv_version, needs.requirements, needs.pythons, bin_dir, wheels)
+    etc = _ensure(
+        root / f"etc-{hashlib.sha256(APT_CONF.encode()).hexdigest()[:8]}",
+        lambda tmp: (tmp / "apt.conf").write_text(APT_CONF),
+    )
+    return Provision(needs.uv_version, needs.requirements, needs.pythons, bin_dir, wheels, etc)
 
 
 def opted_out(task) -> bool:
@@ -232,8 +273,10 @@ def missing_python(provision: Provision | None, log_text: str) -> str:
     if not lacking:
         return ""
     has = ", ".join(f"python{v}" for v in provision.interpreters) or "no python3.X"
-    return (f"test.sh asks uv for Python {', '.join(lacking)}, which this environment does not have (it has {has}); "
-            "tbexp provisions uv and the test packages offline but no interpreter, and downloads none")
+    return (
+        f"test.sh asks uv for Python {', '.join(lacking)}, which this environment does not have (it has {has}); "
+        "tbexp provisions uv and the test packages offline but no interpreter, and downloads none"
+    )
 
 
 def verifier_command(provision: Provision | None, command: str) -> str:
@@ -350,8 +393,18 @@ def _build_uv(out: Path, version: str) -> None:
     """uv, uvx and env from PyPI's static musl `uv` wheel (it runs on glibc and musl alike)."""
     machine = platform.machine()
     with tempfile.TemporaryDirectory() as tmp:
-        _pip(["download", "--no-deps", "--only-binary=:all:", f"--platform=musllinux_1_1_{machine}",
-              "--dest", tmp, f"uv=={version}"], f"uv {version}")
+        _pip(
+            [
+                "download",
+                "--no-deps",
+                "--only-binary=:all:",
+                f"--platform=musllinux_1_1_{machine}",
+                "--dest",
+                tmp,
+                f"uv=={version}",
+            ],
+            f"uv {version}",
+        )
         wheels = list(Path(tmp).glob("uv-*.whl"))
         if not wheels:
             raise ProvisionError(f"pip download uv=={version} for musllinux_1_1_{machine} gave no wheel")
@@ -376,10 +429,17 @@ def _build_wheels(out: Path, requirements: tuple[str, ...], uv: Path) -> None:
     machine = platform.machine()
     linux_tags = [f"--platform=manylinux_2_{m}_{machine}" for m in (28, 17, 12, 5)] + [f"--platform=linux_{machine}"]
     fetched: set[str] = set()
-    for python in PYTHONS[PYTHONS.index(floor):]:
-        marker_env = {"python_version": python, "python_full_version": f"{python}.0", "sys_platform": "linux",
-                      "platform_system": "Linux", "os_name": "posix", "platform_machine": machine,
-                      "implementation_name": "cpython", "platform_python_implementation": "CPython"}
+    for python in PYTHONS[PYTHONS.index(floor) :]:
+        marker_env = {
+            "python_version": python,
+            "python_full_version": f"{python}.0",
+            "sys_platform": "linux",
+            "platform_system": "Linux",
+            "os_name": "posix",
+            "platform_machine": machine,
+            "implementation_name": "cpython",
+            "platform_python_implementation": "CPython",
+        }
         wanted = [str(_pinned(r)) for r in lines if r.marker is None or _evaluate(r, marker_env)]
         fetched |= set(wanted)
         _download(out, wanted, [f"--python-version={python}", *linux_tags])
@@ -394,9 +454,20 @@ def _compile(requirements_in: Path, uv: Path) -> tuple[list[str], str]:
     errors = []
     for python in PYTHONS:
         result = subprocess.run(
-            [str(uv), "pip", "compile", "--universal", f"--python-version={python}", "--no-header", "--no-annotate",
-             "--quiet", str(requirements_in)],
-            capture_output=True, text=True, timeout=PIP_TIMEOUT_S,
+            [
+                str(uv),
+                "pip",
+                "compile",
+                "--universal",
+                f"--python-version={python}",
+                "--no-header",
+                "--no-annotate",
+                "--quiet",
+                str(requirements_in),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=PIP_TIMEOUT_S,
             env={k: v for k, v in os.environ.items() if k not in VERIFIER_ENV},  # the host's uv may go online
         )
         if result.returncode == 0:
@@ -434,8 +505,9 @@ def _download(out: Path, specs: list[str], target: list[str]) -> None:
 
 
 def _pip(args: list[str], what: str) -> None:
-    result = subprocess.run([sys.executable, "-m", "pip", "--quiet", *args], capture_output=True, text=True,
-                            timeout=PIP_TIMEOUT_S)
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "--quiet", *args], check=False, capture_output=True, text=True, timeout=PIP_TIMEOUT_S
+    )
     if result.returncode != 0:
         tail = "\n".join(line for line in result.stderr.splitlines() if not line.startswith("WARNING"))[-500:]
         raise ProvisionError(f"pip download of {what} failed (tbexp fetches it once, on the host):\n{tail}")
