@@ -213,3 +213,44 @@ def test_docker_oracle_passes_and_nop_fails_offline(variant, provisioned, docker
     assert nop.n_total == N_TESTS and {t for t, s in nop.tests.items() if s == "passed"} == NOP_PASSES
     with pytest.raises(VerifierError, match=r"Python 3.13, which this environment does not have"):
         _episode(DockerSandbox, settings, tb2_task(tmp_path, UVX.format(python="3.13") + REWARD, "py313"), solve=True)
+
+
+# -- the conformance tasks --------------------------------------------------------
+
+CONFORMANCE = sorted(p.parent for p in (Path(__file__).parent / "conformance").glob("*/conformance.toml"))
+# A test.sh that wrote reward.txt but ran no test is still a valid 0 in this verifier; the rule that makes
+# it invalid ("a verifier that ran no test is an infrastructure failure") is not part of it yet.
+NEEDS_NO_TEST_RULE = {"verify-pytest-ctrf"}
+
+
+def _conformance_params():
+    for task in CONFORMANCE:
+        for sandbox in ("bwrap", "docker"):
+            marks = [pytest.mark.docker, pytest.mark.slow] if sandbox == "docker" else [pytest.mark.sandbox]
+            if task.name in NEEDS_NO_TEST_RULE:
+                marks.append(pytest.mark.xfail(reason="needs the no-test-is-invalid verifier rule", strict=True))
+            yield pytest.param(task, sandbox, marks=marks, id=f"{task.name}-{sandbox}")
+
+
+@pytest.mark.parametrize(("task", "sandbox"), _conformance_params())
+def test_conformance_task_scores_as_it_says(task, sandbox, rootfs, provisioned, tmp_path, monkeypatch, request):
+    import csv
+    import tomllib
+
+    from tbexp.stages import eval as eval_stage
+
+    if sandbox == "docker":
+        request.getfixturevalue("docker_engine")
+    expected = tomllib.loads((task / "conformance.toml").read_text())
+    assert expected["expect"] in ("scored", "unrunnable"), f"{task}/conformance.toml: expect must be scored | unrunnable"
+    for policy in ("oracle", "nop"):
+        out = tmp_path / policy
+        out.mkdir()
+        monkeypatch.chdir(out)
+        overrides = ["tasks=dir", f"tasks.path={task}", f"policy={policy}", f"sandbox={sandbox}", "eval.n_runs=1"]
+        eval_stage.run(compose_config(*overrides))
+        (row,) = list(csv.DictReader((out / "tasks.csv").open()))
+        if expected["expect"] == "unrunnable":
+            assert int(row["invalid"]) == int(row["runs"]), f"{policy}: {row}"
+        else:
+            assert int(row["invalid"]) == 0 and float(row["reward"]) == expected[f"{policy}_reward"], f"{policy}: {row}"
