@@ -119,7 +119,7 @@ def provisioned(tmp_path_factory):
         pytest.skip(f"cannot build the provision (pip needs the package index once): {err}")
 
 
-def _episode(sandbox_cls, settings, task_dir: Path, solve: bool):
+def _episode(sandbox_cls, settings, task_dir: Path, solve: bool, agent_also: str = ""):
     task = load_task(task_dir)
     sandbox = sandbox_cls(settings, task)
     try:
@@ -127,6 +127,8 @@ def _episode(sandbox_cls, settings, task_dir: Path, solve: bool):
         if solve:
             sandbox.upload(task.solution_script, "/solution/solve.sh")
             assert sandbox.exec("bash /solution/solve.sh").exit_code == 0
+        if agent_also:
+            assert sandbox.exec(agent_also).exit_code == 0
         return sandbox, verify(sandbox, task)
     finally:
         sandbox.stop()
@@ -161,6 +163,15 @@ def test_the_sandbox_has_no_network_and_uv_cannot_be_overwritten(provisioned, sa
         wrote = sandbox.exec("echo fake > /root/.local/bin/uv")
         assert wrote.exit_code != 0 and "Read-only file system" in wrote.output
         assert "uv 0.9.5" in sandbox.exec("/root/.local/bin/uv --version").output
+
+
+@pytest.mark.sandbox
+def test_uv_settings_the_agent_left_behind_do_not_steer_the_tests(provisioned, sandbox_settings, tmp_path):
+    # a uv.toml that forbids wheels (so nothing could be installed) and a file where uv's cache should be
+    plant = "mkdir -p /root/.config/uv /root/.cache && echo 'no-binary = true' > /root/.config/uv/uv.toml"
+    plant += " && echo junk > /root/.cache/uv"
+    _, report = _episode(_bwrap(), sandbox_settings, tb2_task(tmp_path, VARIANTS["uv-project"]), True, plant)
+    assert report.n_passed == N_TESTS, report.log_tail
 
 
 @pytest.mark.sandbox
@@ -232,7 +243,7 @@ def _conformance_params():
             yield pytest.param(task, sandbox, marks=marks, id=f"{task.name}-{sandbox}")
 
 
-@pytest.mark.parametrize(("task", "sandbox"), _conformance_params())
+@pytest.mark.parametrize(("task", "sandbox"), list(_conformance_params()))
 def test_conformance_task_scores_as_it_says(task, sandbox, rootfs, provisioned, tmp_path, monkeypatch, request):
     import csv
     import tomllib
@@ -242,7 +253,9 @@ def test_conformance_task_scores_as_it_says(task, sandbox, rootfs, provisioned, 
     if sandbox == "docker":
         request.getfixturevalue("docker_engine")
     expected = tomllib.loads((task / "conformance.toml").read_text())
-    assert expected["expect"] in ("scored", "unrunnable"), f"{task}/conformance.toml: expect must be scored | unrunnable"
+    assert expected["expect"] in ("scored", "unrunnable"), (
+        f"{task}/conformance.toml: expect must be scored | unrunnable"
+    )
     for policy in ("oracle", "nop"):
         out = tmp_path / policy
         out.mkdir()

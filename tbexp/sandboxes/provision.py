@@ -16,7 +16,8 @@ sandboxes have no network, so this module gives them, before test.sh runs:
   there too) and fetched with `pip download`; bound read-only at WHEELS_MOUNT;
 * environment variables for the verifier's exec (VERIFIER_ENV): uv offline,
   no index, find-links to the wheel folder, no Python downloads, only the
-  environment's own interpreters; pip the same; and an apt.conf (APT_CONFIG,
+  environment's own interpreters, no config files and a fresh cache (the agent
+  used this sandbox before the tests); pip the same; and an apt.conf (APT_CONFIG,
   bound at ETC_MOUNT) that makes the bootstrap's `apt-get update` fail at once
   rather than after seconds of retries.
 
@@ -78,7 +79,9 @@ VERIFIER_ENV = {
     "UV_CONCURRENT_INSTALLS": "4",  # threads count against the sandbox's pids limit; uv's default is one per core
     "UV_CONCURRENT_DOWNLOADS": "4",
     "UV_NO_PROGRESS": "1",
-    "UV_LINK_MODE": "copy",  # the uv cache (/root) and a project (/tmp, /app) are on different mounts
+    "UV_LINK_MODE": "copy",
+    "UV_NO_CONFIG": "1",  # a uv.toml the agent left in its home or above the project must not steer the tests
+    "PIP_CONFIG_FILE": os.devnull,  # the same for pip.conf  # the uv cache (/root) and a project (/tmp, /app) are on different mounts
     "PIP_NO_INDEX": "1",
     "PIP_FIND_LINKS": WHEELS_MOUNT,
     "APT_CONFIG": f"{ETC_MOUNT}/apt.conf",
@@ -283,7 +286,9 @@ def verifier_command(provision: Provision | None, command: str) -> str:
     """`command` with VERIFIER_ENV assigned before it (unchanged without a provision)."""
     if provision is None:
         return command
-    return " ".join(f"{k}={shlex.quote(v)}" for k, v in VERIFIER_ENV.items()) + " " + command
+    assignments = " ".join(f"{k}={shlex.quote(v)}" for k, v in VERIFIER_ENV.items())
+    # a fresh uv cache: one the agent filled (say, with a fake pytest) must not be what the tests run on
+    return f'{assignments} UV_CACHE_DIR="$(mktemp -d /tmp/tbexp-uv-cache.XXXXXX)" {command}'
 
 
 INTERPRETER_PROBE = "ls /usr/local/bin /usr/bin /bin 2>/dev/null"  # what a sandbox runs to list its python3.X
@@ -506,7 +511,11 @@ def _download(out: Path, specs: list[str], target: list[str]) -> None:
 
 def _pip(args: list[str], what: str) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "pip", "--quiet", *args], check=False, capture_output=True, text=True, timeout=PIP_TIMEOUT_S
+        [sys.executable, "-m", "pip", "--quiet", *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=PIP_TIMEOUT_S,
     )
     if result.returncode != 0:
         tail = "\n".join(line for line in result.stderr.splitlines() if not line.startswith("WARNING"))[-500:]
