@@ -74,18 +74,16 @@ def verify(sandbox: Sandbox, task: Task) -> TestReport:
         try:
             report = read_results(Path(tmp), task.name, timed_out=run.timed_out)
         except VerifierError:
-            _raise_if_no_python(sandbox, Path(tmp), task.name)
+            _raise_if_no_python(sandbox, task.name)
             raise
         if not report.tests:
-            _raise_if_no_python(sandbox, Path(tmp), task.name)
+            _raise_if_no_python(sandbox, task.name)
         return report
 
 
-def _raise_if_no_python(sandbox: Sandbox, logs: Path, task_name: str) -> None:
-    """No test ran because uv found no interpreter of the version test.sh asks for: the environment's fault."""
-    stdout = logs / "test-stdout.txt"
-    log_text = stdout.read_text(errors="replace") if stdout.is_file() else ""
-    why = provision.missing_python(getattr(sandbox, "provision", None), log_text)
+def _raise_if_no_python(sandbox: Sandbox, task_name: str) -> None:
+    """No test ran, and test.sh asks uv for a Python the environment lacks: the environment's fault."""
+    why = provision.missing_python(getattr(sandbox, "provision", None))
     if why:
         raise VerifierError(f"{task_name}: {why}")
 

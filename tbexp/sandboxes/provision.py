@@ -79,9 +79,9 @@ VERIFIER_ENV = {
     "UV_CONCURRENT_INSTALLS": "4",  # threads count against the sandbox's pids limit; uv's default is one per core
     "UV_CONCURRENT_DOWNLOADS": "4",
     "UV_NO_PROGRESS": "1",
-    "UV_LINK_MODE": "copy",
+    "UV_LINK_MODE": "copy",  # the uv cache (/tmp) and a project (/tests, /app) are on different mounts
     "UV_NO_CONFIG": "1",  # a uv.toml the agent left in its home or above the project must not steer the tests
-    "PIP_CONFIG_FILE": os.devnull,  # the same for pip.conf  # the uv cache (/root) and a project (/tmp, /app) are on different mounts
+    "PIP_CONFIG_FILE": os.devnull,  # the same for pip.conf
     "PIP_NO_INDEX": "1",
     "PIP_FIND_LINKS": WHEELS_MOUNT,
     "APT_CONFIG": f"{ETC_MOUNT}/apt.conf",
@@ -98,37 +98,11 @@ _UV_COMMAND = re.compile(r"(^|[\s;&|(`$])(uvx|uv|pip3?)(\s|$)", re.MULTILINE)
 _INSTALLER_VERSION = re.compile(r"astral\.sh/uv/(\d+(?:\.\d+)+)/install\.sh")
 _PYTHON_REQUEST = re.compile(r"(?:^|\s)(?:-p|--python)(?:\s+|=)[\"']?(?:python|cpython)?-?(3\.\d+)")
 # options of uv/uvx/pip that take a value which is not a requirement
-_VALUE_OPTIONS = {
-    "-p",
-    "--python",
-    "-r",
-    "--requirement",
-    "--with-requirements",
-    "--from",
-    "-c",
-    "--constraint",
-    "--index-url",
-    "-i",
-    "--extra-index-url",
-    "--find-links",
-    "-f",
-    "--directory",
-    "--project",
-    "--cache-dir",
-    "--target",
-    "-t",
-    "--prefix",
-    "--group",
-    "--extra",
-    "--package",
-    "--name",
-    "--build-constraint",
-    "--python-platform",
-    "--index",
-    "--default-index",
-    "--optional",
-    "--dev",
-}
+_VALUE_OPTIONS = set(
+    "-p --python -r --requirement --with-requirements --from -c --constraint --index-url -i --extra-index-url"
+    " --find-links -f --directory --project --cache-dir --target -t --prefix --group --extra --package --name"
+    " --build-constraint --python-platform --index --default-index --optional --dev".split()
+)
 _FETCHER = re.compile(r"(^|[\s;&|(`$])(curl|wget|git\s+clone|git\s+fetch)\s")
 _URL = re.compile(r"((?:https?|ftp)://([^/\s\"':]+)[^\s\"']*)")
 LOCAL_HOSTS = {"localhost", "127.0.0.1", "0.0.0.0", "[::1]"}  # what the sandbox itself may serve
@@ -262,15 +236,13 @@ def network_fetches(script: str) -> list[str]:
     return urls
 
 
-def missing_python(provision: Provision | None, log_text: str) -> str:
-    """Why the tests could not run for want of an interpreter, or '' when that is not why.
+def missing_python(provision: Provision | None) -> str:
+    """Why tests that did not run could not have run for want of an interpreter, or '' when that is not why.
 
-    Only a version the environment itself lacks counts (an interpreter the agent
-    deleted is the agent's doing), and only where uv said it found none.
+    Only a version the environment itself lacks counts: the interpreters were
+    listed before the agent ran, so one the agent deleted is the agent's doing.
     """
     if provision is None or provision.interpreters is None:
-        return ""
-    if "No interpreter found" not in log_text and "no interpreter found" not in log_text.lower():
         return ""
     lacking = [v for v in provision.pythons if v not in provision.interpreters]
     if not lacking:
