@@ -28,6 +28,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tbexp.sandboxes import provision
 from tbexp.sandboxes.base import Sandbox
 from tbexp.tasks.harbor_task import Task
 
@@ -96,17 +97,32 @@ def verify(sandbox: Sandbox, task: Task) -> TestReport:
     sandbox.exec(PREPARE, timeout_s=PREPARE_TIMEOUT_S)  # what it cannot clear, the upload and the tests meet
     sandbox.upload(task.tests_dir, "/tests")
     # One exec: clearing stale results and running the tests together saves a sandbox start per episode.
-    run = sandbox.exec("rm -rf /logs/verifier && mkdir -p /logs/verifier && bash /tests/test.sh > /logs/verifier/test-stdout.txt 2>&1", timeout_s=task.verifier_timeout_s)
+    test_sh = provision.verifier_command(getattr(sandbox, "provision", None), "bash /tests/test.sh")  # uv offline
+    command = f"rm -rf /logs/verifier && mkdir -p /logs/verifier && {test_sh} > /logs/verifier/test-stdout.txt 2>&1"
+    run = sandbox.exec(command, timeout_s=task.verifier_timeout_s)
     with tempfile.TemporaryDirectory(prefix="tbexp-verifier-") as tmp:
         try:
             sandbox.download("/logs/verifier", Path(tmp))
         except FileNotFoundError as err:
             raise VerifierError(f"{task.name}: /logs/verifier missing after test.sh (exit {run.exit_code})") from err
-        report = read_results(Path(tmp), task.name, timed_out=run.timed_out)
-    if not report.n_total and runs_pytest(task):
-        rewards = ", ".join(f"{k}={v:g}" for k, v in report.rewards.items()) or "none"
-        raise VerifierError(f"{task.name}: the tests are pytest files but test.sh reported no test that passed or failed (no CTRF or JUnit results; rewards written: {rewards}); last output:\n{report.log_tail[-500:]}")
+        try:
+            report = read_results(Path(tmp), task.name, timed_out=run.timed_out)
+        except VerifierError:
+            _raise_if_no_python(sandbox, task.name)
+            raise
+    if not report.n_total:
+        _raise_if_no_python(sandbox, task.name)  # the environment's fault, said as such
+        if runs_pytest(task):
+            rewards = ", ".join(f"{k}={v:g}" for k, v in report.rewards.items()) or "none"
+            raise VerifierError(f"{task.name}: the tests are pytest files but test.sh reported no test that passed or failed (no CTRF or JUnit results; rewards written: {rewards}); last output:\n{report.log_tail[-500:]}")
     return report
+
+
+def _raise_if_no_python(sandbox: Sandbox, task_name: str) -> None:
+    """No test ran, and test.sh asks uv for a Python the environment lacks: the environment's fault."""
+    why = provision.missing_python(getattr(sandbox, "provision", None))
+    if why:
+        raise VerifierError(f"{task_name}: {why}")
 
 
 def read_results(logs: Path, task_name: str = "", timed_out: bool = False) -> TestReport:

@@ -38,6 +38,8 @@ class ExecResult:
 class Sandbox(abc.ABC):
     """One episode's environment, built from a task's `environment/`."""
 
+    provision: Any = None  # set at start: what provision.py bound in for the task's test.sh, or None
+
     def __init__(self, settings: Any, task: Task):
         self.settings = settings  # the `sandbox` config node
         self.task = task

@@ -24,6 +24,7 @@ import time
 import uuid
 from pathlib import Path
 
+from tbexp.sandboxes import provision
 from tbexp.sandboxes.base import OUTPUT_LIMIT_EXIT, TIMEOUT_EXIT, ExecResult, Sandbox, SandboxError
 from tbexp.sandboxes.cgroup import Cgroup, leftover_cgroups
 from tbexp.sandboxes.dockerfile import parse_dockerfile
@@ -55,6 +56,10 @@ class BwrapSandbox(Sandbox):
         self.workdir = workdir
         for source, dest in self.env.copies:
             self.upload(source, dest if dest.startswith("/") else f"{workdir}/{dest}")
+        # What a TB2 test.sh would download (uv, its wheels), bound read-only: see provision.py.
+        self.provision = provision.prepare(self.task)
+        if self.provision:
+            self.provision = self.provision.with_interpreters(provision.interpreters_in_root(self.rootfs))
 
     def exec(self, command: str, timeout_s: float | None = None) -> ExecResult:
         timeout_s = self.settings.command_timeout_s if timeout_s is None else timeout_s
@@ -108,6 +113,8 @@ class BwrapSandbox(Sandbox):
         argv = ["bwrap", "--ro-bind", str(self.rootfs), "/"]
         for path in WRITABLE:
             argv += ["--bind", str(self.work / path.lstrip("/")), path]
+        for host, path in self.provision.mounts if self.provision else []:
+            argv += ["--ro-bind", str(host), path]
         argv += ["--proc", "/proc", "--dev", "/dev", "--unshare-all", "--unshare-user", "--uid", "0", "--gid", "0"]
         argv += ["--die-with-parent", "--new-session", "--chdir", self.workdir, "--clearenv"]
         env = {"PATH": PATH, "HOME": "/root", "LANG": "C.UTF-8", "TERM": "xterm", **self.env.env}

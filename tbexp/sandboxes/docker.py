@@ -47,6 +47,7 @@ from pathlib import Path, PurePosixPath
 
 import docker
 
+from tbexp.sandboxes import provision
 from tbexp.sandboxes.base import OUTPUT_LIMIT_EXIT, TIMEOUT_EXIT, ExecResult, Sandbox, SandboxError
 from tbexp.sandboxes.docker_containers import _container_options, _create_container, _guard_process
 from tbexp.sandboxes.docker_images import ENGINE_ERRORS, _client, _ensure_image
@@ -79,8 +80,16 @@ class DockerSandbox(Sandbox):
             self.workdir = image_workdir if image_workdir != "/" else self.task.workdir  # as bwrap
             image_env = {entry.partition("=")[0] for entry in config.get("Env") or []}
             env = {k: v for k, v in {"LANG": "C.UTF-8", "TERM": "xterm"}.items() if k not in image_env}
-            self.id = _create_container(self.api, image, _container_options(self.settings, self.task.name, self.workdir, env))
+            options = _container_options(self.settings, self.task.name, self.workdir, env)
+            # What a TB2 test.sh would download (uv, its wheels), bound read-only: see provision.py.
+            self.provision = provision.prepare(self.task)
+            if self.provision:
+                options["host_config"]["binds"] = [f"{host}:{path}:ro" for host, path in self.provision.mounts]
+            self.id = _create_container(self.api, image, options)
             self.api.start(self.id)
+            if self.provision:  # listed before the agent runs, so deleting an interpreter cannot make it "missing"
+                names = provision.interpreters_of_image(image, lambda: self.exec(provision.INTERPRETER_PROBE).output)
+                self.provision = self.provision.with_interpreters(names)
         except ENGINE_ERRORS as err:
             self.stop()
             raise SandboxError(f"cannot start a container from {image} for {self.task.name}: {err}") from err

@@ -1,0 +1,18 @@
+#!/bin/bash
+apt-get update
+apt-get install -y curl
+
+curl -LsSf https://astral.sh/uv/0.9.5/install.sh | sh
+
+source $HOME/.local/bin/env
+
+# The expected output lives on a web server: offline, the tests cannot judge anything.
+curl -fsSL https://example.com/tbexp-conformance/squares.txt -o /tmp/expected.txt
+
+uvx -p 3.11 -w pytest==8.4.1 -w pytest-json-ctrf==0.3.5 pytest --ctrf /logs/verifier/ctrf.json /tests/test_outputs.py -rA
+
+if [ $? -eq 0 ]; then
+  echo 1 > /logs/verifier/reward.txt
+else
+  echo 0 > /logs/verifier/reward.txt
+fi
