@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 import tempfile
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
@@ -62,13 +63,26 @@ class TestReport:
 def verify(sandbox: Sandbox, task: Task) -> TestReport:
     sandbox.upload(task.tests_dir, "/tests")
     # One exec: clearing stale results and running the tests together saves a sandbox start per episode.
-    run = sandbox.exec("rm -rf /logs/verifier && mkdir -p /logs/verifier && bash /tests/test.sh > /logs/verifier/test-stdout.txt 2>&1", timeout_s=task.verifier_timeout_s)
+    run = sandbox.exec(_exports(task) + "rm -rf /logs/verifier && mkdir -p /logs/verifier && bash /tests/test.sh > /logs/verifier/test-stdout.txt 2>&1", timeout_s=task.verifier_timeout_s)
     with tempfile.TemporaryDirectory(prefix="tbexp-verifier-") as tmp:
         try:
             sandbox.download("/logs/verifier", Path(tmp))
         except FileNotFoundError as err:
             raise VerifierError(f"{task.name}: /logs/verifier missing after test.sh (exit {run.exit_code})") from err
         return read_results(Path(tmp), task.name, timed_out=run.timed_out)
+
+
+def _exports(task: Task) -> str:
+    """`[verifier] env` for test.sh, its `${VAR}` / `${VAR:-default}` taken from this host as Harbor does."""
+    if not task.verifier_env:
+        return ""
+    from harbor.utils.env import resolve_env_vars
+
+    try:
+        env = resolve_env_vars(task.verifier_env)
+    except ValueError as err:
+        raise VerifierError(f"{task.path / 'task.toml'}: [verifier] env: {err}") from err
+    return "".join(f"export {key}={shlex.quote(value)}; " for key, value in env.items())
 
 
 def read_results(logs: Path, task_name: str = "", timed_out: bool = False) -> TestReport:
