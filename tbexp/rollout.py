@@ -78,8 +78,10 @@ def run_episode(task: Task, run: int, agent: Agent, policy_factory: PolicyFactor
     return episode
 
 
-def _agent_loop(episode: Episode, agent: Agent, policy: Any, shell: ShellSession, max_turns: int, task: Task | None = None) -> None:
-    """The agent's turns on `task` (one step of a multi-step task; default the episode's), until done or out of turns/time."""
+def _agent_loop(
+    episode: Episode, agent: Agent, policy: Any, shell: ShellSession, max_turns: int, task: Task | None = None
+) -> None:
+    """The agent's turns on `task` (a step of a multi-step task; default: the episode's) until done or out of time."""
     task = task or episode.task
     episode.messages = [{"role": "user", "content": agent.prompt(task)}]
     deadline = time.monotonic() + task.agent_timeout_s
@@ -100,7 +102,9 @@ def _agent_loop(episode: Episode, agent: Agent, policy: Any, shell: ShellSession
         episode.messages.append({"role": "user", "content": agent.observe(turn)})
 
 
-def _run_steps(episode: Episode, agent: Agent, policy_factory: PolicyFactory, sandbox: Any, max_turns: int, clock: float) -> float:
+def _run_steps(
+    episode: Episode, agent: Agent, policy_factory: PolicyFactory, sandbox: Any, max_turns: int, clock: float
+) -> float:
     """A multi-step task's steps in order in one sandbox, as Harbor's MultiStepTrial runs them.
 
     Each step: its `workdir/` is copied into the working directory and its `setup.sh` run; the agent starts a

@@ -23,6 +23,9 @@ from tbexp.sandboxes.base import Sandbox
 from tbexp.tasks.harbor_task import Task
 
 PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
+RUN_TESTS = (  # clearing stale results and running the tests in one exec
+    "rm -rf /logs/verifier && mkdir -p /logs/verifier && bash /tests/test.sh > /logs/verifier/test-stdout.txt 2>&1"
+)
 
 
 class VerifierError(RuntimeError):
@@ -63,7 +66,7 @@ class TestReport:
 def verify(sandbox: Sandbox, task: Task) -> TestReport:
     sandbox.upload(task.tests_dir, "/tests")
     # One exec: clearing stale results and running the tests together saves a sandbox start per episode.
-    run = sandbox.exec(_exports(task) + "rm -rf /logs/verifier && mkdir -p /logs/verifier && bash /tests/test.sh > /logs/verifier/test-stdout.txt 2>&1", timeout_s=task.verifier_timeout_s)
+    run = sandbox.exec(_exports(task) + RUN_TESTS, timeout_s=task.verifier_timeout_s)
     with tempfile.TemporaryDirectory(prefix="tbexp-verifier-") as tmp:
         try:
             sandbox.download("/logs/verifier", Path(tmp))

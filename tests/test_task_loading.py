@@ -35,7 +35,12 @@ def _write(root: Path, files: dict[str, str]) -> Path:
 
 
 def _harbor_task(root: Path, toml: str, **extra: str) -> Path:
-    files = {"task.toml": toml, "instruction.md": "Do it.\n", "environment/Dockerfile": "FROM tbexp-base:bookworm\n", "tests/test.sh": "exit 0\n"}
+    files = {
+        "task.toml": toml,
+        "instruction.md": "Do it.\n",
+        "environment/Dockerfile": "FROM tbexp-base:bookworm\n",
+        "tests/test.sh": "exit 0\n",
+    }
     return _write(root, {**files, **extra})
 
 
@@ -47,7 +52,9 @@ def _digest(directory: Path) -> str:
 
 
 def test_a_plain_harbor_task_loads_with_harbor_defaults(tmp_path):
-    task = load_task(_harbor_task(tmp_path / "plain", '[task]\nname = "acme/plain-task"\n[verifier]\ntimeout_sec = 42\n'))
+    task = load_task(
+        _harbor_task(tmp_path / "plain", '[task]\nname = "acme/plain-task"\n[verifier]\ntimeout_sec = 42\n')
+    )
     assert task.name == "acme/plain-task" and task.instruction == "Do it.\n" and task.workdir == "/app"
     assert task.verifier_timeout_s == 42.0 and task.agent_timeout_s == 600.0  # Harbor: no agent limit; tbexp: 600 s
     assert task.network_mode == "public" and task.docker_image == "" and task.build_timeout_s == 600.0
@@ -55,11 +62,15 @@ def test_a_plain_harbor_task_loads_with_harbor_defaults(tmp_path):
     assert type(task.harbor).__name__ == "TaskConfig" and task.harbor.verifier.timeout_sec == 42.0
     assert task.config == {"task": {"name": "acme/plain-task"}, "verifier": {"timeout_sec": 42}}
     assert [(s.name, s.instruction) for s in task.steps] == [("main", "Do it.\n")]
-    assert task.tests_dir == task.path / "tests" and task.solution_script is None and task.verifier_environment_dir is None
+    assert (
+        task.tests_dir == task.path / "tests" and task.solution_script is None and task.verifier_environment_dir is None
+    )
 
 
 def test_a_prebuilt_docker_image_needs_no_environment_dir(tmp_path):
-    root = _harbor_task(tmp_path / "image", '[environment]\ndocker_image = "tbexp-base:bookworm"\nworkdir = "/srv"\ncpus = 2\n')
+    root = _harbor_task(
+        tmp_path / "image", '[environment]\ndocker_image = "tbexp-base:bookworm"\nworkdir = "/srv"\ncpus = 2\n'
+    )
     (root / "environment" / "Dockerfile").unlink()
     (root / "environment").rmdir()
     task = load_task(root)
@@ -67,7 +78,9 @@ def test_a_prebuilt_docker_image_needs_no_environment_dir(tmp_path):
     root2 = _harbor_task(tmp_path / "neither", "")
     (root2 / "environment" / "Dockerfile").unlink()
     (root2 / "environment").rmdir()
-    with pytest.raises(TaskError, match=r"neither/environment: missing \(and task.toml names no \[environment\].docker_image\)"):
+    with pytest.raises(
+        TaskError, match=r"neither/environment: missing \(and task.toml names no \[environment\].docker_image\)"
+    ):
         load_task(root2)
 
 
@@ -75,7 +88,12 @@ def test_legacy_memory_and_allow_internet_are_migrated_as_harbor_does(tmp_path):
     toml = '[environment]\nmemory = "2G"\nstorage = "512M"\nallow_internet = false\nbuild_timeout_sec = 90\n'
     task = load_task(_harbor_task(tmp_path / "legacy", toml))
     assert (task.memory_mb, task.storage_mb, task.network_mode, task.build_timeout_s) == (2048, 512, "no-network", 90.0)
-    current = load_task(_harbor_task(tmp_path / "current", '[environment]\nmemory_mb = 700\nnetwork_mode = "allowlist"\nallowed_hosts = ["pypi.org"]\n'))
+    current = load_task(
+        _harbor_task(
+            tmp_path / "current",
+            '[environment]\nmemory_mb = 700\nnetwork_mode = "allowlist"\nallowed_hosts = ["pypi.org"]\n',
+        )
+    )
     assert (current.memory_mb, current.network_mode) == (700, "allowlist")
 
 
@@ -84,15 +102,21 @@ def test_a_separate_verifier_environment_and_verifier_settings_load(tmp_path):
     task = load_task(_harbor_task(tmp_path / "separate", toml, **{"tests/Dockerfile": "FROM tbexp-base:bookworm\n"}))
     assert task.verifier_environment_dir == task.path / "tests"
     assert task.verifier_env == {"MODE": "strict", "TOKEN": "${HOME}"} and task.harbor.verifier.user == "tester"
-    shared = load_task(_harbor_task(tmp_path / "shared", "[verifier]\nenv = { A = '1' }\n", **{"tests/Dockerfile": "FROM x\n"}))
+    shared = load_task(
+        _harbor_task(tmp_path / "shared", "[verifier]\nenv = { A = '1' }\n", **{"tests/Dockerfile": "FROM x\n"})
+    )
     assert shared.verifier_environment_dir is None  # a Dockerfile in tests/ alone does not make the verifier separate
 
 
 def _multistep(root: Path, strategy: str = "", min_reward: str = "") -> Path:
     """Two steps: write a file, then extend it; each step has its own tests, step one its own solution."""
-    test = "from pathlib import Path\ndef test_file():\n    assert Path('/app/log.txt').read_text().split() == {words!r}\n"
-    return _write(root, {
-        "task.toml": f'''
+    test = (
+        "from pathlib import Path\ndef test_file():\n    assert Path('/app/log.txt').read_text().split() == {words!r}\n"
+    )
+    return _write(
+        root,
+        {
+            "task.toml": f"""
             {strategy}
             [task]
             name = "acme/two-steps"
@@ -111,20 +135,22 @@ def _multistep(root: Path, strategy: str = "", min_reward: str = "") -> Path:
             timeout_sec = 30
             [steps.verifier]
             timeout_sec = 20
-        ''',
-        "environment/Dockerfile": "FROM tbexp-base:bookworm\nWORKDIR /app\n",
-        "steps/first/instruction.md": "Write alpha into /app/log.txt.\n",
-        "steps/first/solution/solve.sh": "echo alpha > /app/log.txt\n",
-        "steps/first/tests/test.sh": STEP_TEST_SH,
-        "steps/first/tests/test_step.py": test.format(words=["alpha"]),
-        "steps/first/tests/first-only.txt": "step one's tests are cleared before step two\n",
-        "steps/second/instruction.md": "<!-- canary GUID 1234 -->\nAppend beta to /app/log.txt.\n",
-        "steps/second/workdir/setup.sh": "echo set-up > /app/setup-ran.txt\n",
-        "steps/second/tests/test_step.py": test.format(words=["alpha", "beta"]) + "def test_setup():\n    assert Path('/app/setup-ran.txt').exists()\n"
-        "def test_step_one_tests_are_gone():\n    assert not Path('/tests/first-only.txt').exists()\n",
-        "tests/test.sh": SHARED_TEST_SH,
-        "solution/solve.sh": "echo beta >> /app/log.txt\n",
-    })
+        """,
+            "environment/Dockerfile": "FROM tbexp-base:bookworm\nWORKDIR /app\n",
+            "steps/first/instruction.md": "Write alpha into /app/log.txt.\n",
+            "steps/first/solution/solve.sh": "echo alpha > /app/log.txt\n",
+            "steps/first/tests/test.sh": STEP_TEST_SH,
+            "steps/first/tests/test_step.py": test.format(words=["alpha"]),
+            "steps/first/tests/first-only.txt": "step one's tests are cleared before step two\n",
+            "steps/second/instruction.md": "<!-- canary GUID 1234 -->\nAppend beta to /app/log.txt.\n",
+            "steps/second/workdir/setup.sh": "echo set-up > /app/setup-ran.txt\n",
+            "steps/second/tests/test_step.py": test.format(words=["alpha", "beta"])
+            + "def test_setup():\n    assert Path('/app/setup-ran.txt').exists()\n"
+            "def test_step_one_tests_are_gone():\n    assert not Path('/tests/first-only.txt').exists()\n",
+            "tests/test.sh": SHARED_TEST_SH,
+            "solution/solve.sh": "echo beta >> /app/log.txt\n",
+        },
+    )
 
 
 def test_a_multi_step_task_loads_its_steps_in_order(tmp_path):
@@ -133,7 +159,10 @@ def test_a_multi_step_task_loads_its_steps_in_order(tmp_path):
     assert (first.name, second.name) == ("first", "second") and task.family == "editing"
     assert task.instruction == first.instruction == "Write alpha into /app/log.txt.\n"
     assert second.instruction == "Append beta to /app/log.txt.\n"  # Harbor strips the canary line
-    assert first.tests_dirs == (task.path / "tests", task.path / "steps/first/tests") and second.tests_dirs[-1].name == "tests"
+    assert (
+        first.tests_dirs == (task.path / "tests", task.path / "steps/first/tests")
+        and second.tests_dirs[-1].name == "tests"
+    )
     assert first.solution_script == task.path / "steps/first/solution/solve.sh"
     assert second.solution_script == task.path / "solution/solve.sh"  # no step solution: the task's, as Harbor's oracle
     assert (first.agent_timeout_s, second.agent_timeout_s, second.verifier_timeout_s) == (120.0, 30.0, 20.0)
@@ -143,7 +172,9 @@ def test_a_multi_step_task_loads_its_steps_in_order(tmp_path):
     assert view.agent_timeout_s == 30.0 and view.steps == [second]
 
 
-@pytest.mark.parametrize("strategy, reward, style", [("", 0.75, 0.5), ('multi_step_reward_strategy = "final"', 0.5, 1.0)])
+@pytest.mark.parametrize(
+    "strategy, reward, style", [("", 0.75, 0.5), ('multi_step_reward_strategy = "final"', 0.5, 1.0)]
+)
 def test_a_multi_step_task_runs_every_step_in_one_sandbox(rootfs, tmp_path, strategy, reward, style):
     from tbexp.agents.base import make_agent
     from tbexp.policies import make_policy
@@ -163,11 +194,15 @@ def test_a_multi_step_task_runs_every_step_in_one_sandbox(rootfs, tmp_path, stra
     first, second = episode.step_reports["first"], episode.step_reports["second"]
     assert first.tests == {"test_step::test_file": "passed"} and first.rewards == {"reward": 1.0}
     # step two's tests see step one's file (one sandbox), its own test_step.py replaced step one's, its setup ran
-    assert second.tests == {f"test_step::test_{name}": "passed" for name in ("file", "setup", "step_one_tests_are_gone")}
+    assert second.tests == {
+        f"test_step::test_{name}": "passed" for name in ("file", "setup", "step_one_tests_are_gone")
+    }
     assert second.rewards == {"reward": 0.5, "style": 1.0}
     # Harbor's trial reward: per-key means over the steps, a key a step lacks counting 0; "final" takes the last step
     assert episode.report.rewards == {"reward": pytest.approx(reward), "style": style}
-    assert len(episode.report.tests) == (3 if strategy else 4) and "second::test_step::test_setup" in episode.report.tests
+    assert (
+        len(episode.report.tests) == (3 if strategy else 4) and "second::test_step::test_setup" in episode.report.tests
+    )
     assert [m["role"] for m in episode.messages].count("user") >= 2 and episode.report.strict
 
 
@@ -178,7 +213,9 @@ def test_min_reward_stops_the_remaining_steps(rootfs, tmp_path):
 
     settings = compose_config("sandbox.command_timeout_s=10")
     task = load_task(_multistep(tmp_path / "gated", min_reward="min_reward = { style = 1.0 }"))  # step one has no style
-    episode = run_episode(task, 0, make_agent(settings.agent), lambda t, a: make_policy("oracle", t, a), settings.sandbox, 5)
+    episode = run_episode(
+        task, 0, make_agent(settings.agent), lambda t, a: make_policy("oracle", t, a), settings.sandbox, 5
+    )
     assert not episode.invalid and list(episode.step_reports) == ["first"]
 
 
@@ -219,7 +256,9 @@ def test_a_terminal_bench_1_directory_is_converted_once_by_harbors_mapper(tmp_pa
 
     conversions = []
     original = TerminalBenchMapper._map_task
-    monkeypatch.setattr(TerminalBenchMapper, "_map_task", lambda self, src, dst: conversions.append(src) or original(self, src, dst))
+    monkeypatch.setattr(
+        TerminalBenchMapper, "_map_task", lambda self, src, dst: conversions.append(src) or original(self, src, dst)
+    )
     source = _write(tmp_path / "tb1" / "hello-file", TB1_TASK)
     before = _digest(source)
     migrated = tmp_path / "cache" / "migrated"
@@ -253,23 +292,32 @@ def test_an_unloadable_task_is_listed_and_the_rest_of_the_set_loads(tmp_path):
     (tasks / "notes").mkdir()
     loaded = load_tasks(tasks)
     assert isinstance(loaded, TaskSet) and [t.name for t in loaded] == ["test/good"]
-    assert loaded.unloadable[str(broken)] == f"{broken}/tests/test.sh: missing (a task without tests cannot be verified)"
+    assert (
+        loaded.unloadable[str(broken)] == f"{broken}/tests/test.sh: missing (a task without tests cannot be verified)"
+    )
     assert loaded.unloadable[str(bad_toml)].startswith(f"{bad_toml}/task.toml: environment.cpus")
     assert "task.toml: missing" in loaded.unloadable[str(tasks / "notes")]
 
     settings = compose_config("tasks=dir", f"tasks.path={tasks}").tasks
     assert load_task_set(settings).unloadable == loaded.unloadable
     settings.strict = True
-    with pytest.raises(TaskError, match=r"(?s)tasks.strict=true and 3 task\(s\) cannot be loaded:.*no-tests/tests/test.sh: missing"):
+    with pytest.raises(
+        TaskError, match=r"(?s)tasks.strict=true and 3 task\(s\) cannot be loaded:.*no-tests/tests/test.sh: missing"
+    ):
         load_task_set(settings)
     (tasks / "good" / "tests" / "test.sh").unlink()
-    with pytest.raises(TaskError, match=r"(?s)none of its 4 task directories can be loaded:.*good/tests/test.sh: missing"):
+    with pytest.raises(
+        TaskError, match=r"(?s)none of its 4 task directories can be loaded:.*good/tests/test.sh: missing"
+    ):
         load_tasks(tasks)
 
 
 def test_family_comes_from_metadata_or_name_never_the_folder(tmp_path):
     def family(metadata: str, name: str = "acme/fix-parser-12") -> str:
-        root = _harbor_task(tmp_path / "dataset-folder" / f"t{len(list(tmp_path.rglob('task.toml')))}", f'[task]\nname = "{name}"\n{metadata}')
+        root = _harbor_task(
+            tmp_path / "dataset-folder" / f"t{len(list(tmp_path.rglob('task.toml')))}",
+            f'[task]\nname = "{name}"\n{metadata}',
+        )
         return load_task(root).family
 
     assert family('[metadata]\nfamily = "parsing"\ncategory = "software"\n') == "parsing"
@@ -279,10 +327,22 @@ def test_family_comes_from_metadata_or_name_never_the_folder(tmp_path):
 
 
 def test_builtin_families_are_the_generators(tmp_path):
-    settings = SimpleNamespace(source="builtin", seed=0, train_per_family=8, heldout_per_family=2, split="heldout", cache_dir=str(tmp_path / "tasks"), rl_share=0.0, families=[], limit=0)
+    settings = SimpleNamespace(
+        source="builtin",
+        seed=0,
+        train_per_family=8,
+        heldout_per_family=2,
+        split="heldout",
+        cache_dir=str(tmp_path / "tasks"),
+        rl_share=0.0,
+        families=[],
+        limit=0,
+    )
     tasks = load_task_set(settings)
     assert tasks.unloadable == {} and all(t.family == t.metadata["family"] for t in tasks)
-    assert all(t.family != "heldout" for t in tasks) and all(len(t.steps) == 1 and t.network_mode == "no-network" for t in tasks)
+    assert all(t.family != "heldout" for t in tasks) and all(
+        len(t.steps) == 1 and t.network_mode == "no-network" for t in tasks
+    )
 
 
 def test_the_eval_stage_lists_unloadable_tasks_and_counts_them(rootfs, tmp_path, monkeypatch):
@@ -295,5 +355,7 @@ def test_the_eval_stage_lists_unloadable_tasks_and_counts_them(rootfs, tmp_path,
     monkeypatch.chdir(tmp_path)
     metrics = eval_stage.run(compose_config("tasks=dir", f"tasks.path={tasks}", "policy=oracle"))
     assert metrics["tasks/unloadable"] == 1.0 and metrics["eval/strict_success"] == 1.0
-    assert json.loads((tmp_path / "unloadable_tasks.json").read_text()) == {str(broken): f"{broken}/instruction.md: missing (the agent's instruction)"}
+    assert json.loads((tmp_path / "unloadable_tasks.json").read_text()) == {
+        str(broken): f"{broken}/instruction.md: missing (the agent's instruction)"
+    }
     assert json.loads((tmp_path / "summary.json").read_text())["tasks/unloadable"] == 1.0

@@ -107,7 +107,8 @@ def evaluate(cfg: Any, out: Path, runtime: ModelRuntime | None = None, label: st
     tasks = load_task_set(cfg.tasks)
     (out / "unloadable_tasks.json").write_text(json.dumps(tasks.unloadable, indent=1))  # task dir -> reason
     if tasks.unloadable:
-        print(f"{len(tasks.unloadable)} task(s) cannot be loaded and are left out; reasons in {out / 'unloadable_tasks.json'}")
+        reasons = out / "unloadable_tasks.json"
+        print(f"{len(tasks.unloadable)} task(s) cannot be loaded and are left out; reasons in {reasons}")
     name = label or cfg.policy
     log.info("eval %s: %d tasks x %d runs, sandbox=%s, agent=%s", name, len(tasks), cfg.eval.n_runs, cfg.sandbox.name, cfg.agent.name)
     episodes = run_policy(cfg, tasks, cfg.eval.n_runs, cfg.eval.concurrency, runtime, desc=f"eval {name}")

@@ -12,7 +12,7 @@ from typing import Any
 
 from tbexp.tasks.harbor_task import Task, TaskError, TaskSet, TaskStep, load_task, load_tasks
 
-__all__ = ["Task", "TaskError", "TaskSet", "TaskStep", "load_task", "load_tasks", "load_task_set"]
+__all__ = ["Task", "TaskError", "TaskSet", "TaskStep", "load_task", "load_task_set", "load_tasks"]
 
 log = logging.getLogger(__name__)
 _reported: set[tuple[str, str]] = set()  # (task dir, reason) already logged: a set is loaded once per stage

@@ -43,7 +43,9 @@ def migrate_tb1(source: Path, migrated_dir: Path | None = None) -> Path:
             with contextlib.redirect_stdout(printed):  # the mapper prints what it moved; keep it for the log
                 TerminalBenchMapper()._map_task(source, staged)
         except Exception as err:  # the mapper raises whatever pydantic, yaml or the file system raise
-            raise TaskError(f"{source / 'task.yaml'}: Harbor's Terminal-Bench mapper refused it: {type(err).__name__}: {err}") from err
+            raise TaskError(
+                f"{source / 'task.yaml'}: Harbor's Terminal-Bench mapper refused it: {type(err).__name__}: {err}"
+            ) from err
         for line in printed.getvalue().splitlines():
             log.debug("%s: %s", source, line)
         try:
