@@ -86,7 +86,8 @@ def run_policy(cfg: Any, tasks: list, n_runs: int, concurrency: int, runtime: An
 
     agent = make_agent(cfg.agent)
     for task in tasks:
-        make_policy(cfg.policy, task, agent, runtime)
+        for one in [task] if len(task.steps) == 1 else [task.for_step(step) for step in task.steps]:  # a policy a step
+            make_policy(cfg.policy, one, agent, runtime)
 
     def run_one(task, run_index):
         return run_episode(task, run_index, agent, lambda t, a: make_policy(cfg.policy, t, a, runtime, run_index), cfg.sandbox, cfg.agent.max_turns)

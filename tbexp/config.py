@@ -164,6 +164,7 @@ class TasksConfig:
     families: list[str] = field(default_factory=list)  # [] = all
     limit: int = 0  # first N tasks after sorting; 0 = all
     rl_share: float = 0.0  # builtin: share of each family's train tasks kept for RL only; SFT never sees their solutions
+    strict: bool = False  # true: a task that cannot be loaded is fatal; false: it is listed and the rest runs
 
 
 @dataclass

@@ -40,6 +40,7 @@ class Episode:
     time_s: dict[str, float] = field(default_factory=dict)  # start, agent, verify, stop
     messages: list[dict[str, str]] = field(default_factory=list)
     policy: Any = None  # what acted; a model policy keeps the episode's sampled tokens (training reads them)
+    step_reports: dict[str, TestReport] = field(default_factory=dict)  # a multi-step task's tests, step by step
 
     @property
     def n_commands(self) -> int:
@@ -56,20 +57,25 @@ def run_episode(task: Task, run: int, agent: Agent, policy_factory: PolicyFactor
     sandbox = make_sandbox(sandbox_settings, task)
     failure = health = ""  # a verifier that gave no result after the agent acted, and the sandbox's state then
     try:
-        policy = episode.policy = policy_factory(task, agent)
-        sandbox.start()
-        clock = _lap(episode, "start", clock)
-        for local, remote in policy.uploads.items():
-            sandbox.upload(local, remote)
-        _agent_loop(episode, agent, policy, ShellSession(sandbox, sandbox.workdir), max_turns)
-        clock = _lap(episode, "agent", clock)
-        try:
-            episode.report = verify(sandbox, task)
-        except INFRA_ERRORS as err:
-            if not _agent_acted(episode):
-                raise  # the agent ran nothing: the failure cannot be its
-            episode.report, failure, health = second_look(sandbox, task, err)
-        clock = _lap(episode, "verify", clock)
+        if len(task.steps) > 1:
+            sandbox.start()
+            clock = _lap(episode, "start", clock)
+            clock = _run_steps(episode, agent, policy_factory, sandbox, max_turns, clock)
+        else:
+            policy = episode.policy = policy_factory(task, agent)
+            sandbox.start()
+            clock = _lap(episode, "start", clock)
+            for local, remote in policy.uploads.items():
+                sandbox.upload(local, remote)
+            _agent_loop(episode, agent, policy, ShellSession(sandbox, sandbox.workdir), max_turns)
+            clock = _lap(episode, "agent", clock)
+            try:
+                episode.report = verify(sandbox, task)
+            except INFRA_ERRORS as err:
+                if not _agent_acted(episode):
+                    raise  # the agent ran nothing: the failure cannot be its
+                episode.report, failure, health = second_look(sandbox, task, err)
+            clock = _lap(episode, "verify", clock)
     except (SandboxError, VerifierError, OSError) as err:
         episode.invalid = f"{type(err).__name__}: {err}"
     except Exception as err:  # anything else is a bug, but one episode's bug must not end a run of hundreds
@@ -92,9 +98,13 @@ def _agent_acted(episode: Episode) -> bool:
     return bool(episode.damage) or any(turn.results for turn in episode.turns)
 
 
-def _agent_loop(episode: Episode, agent: Agent, policy: Any, shell: ShellSession, max_turns: int) -> None:
-    episode.messages = [{"role": "user", "content": agent.prompt(episode.task)}]
-    deadline = time.monotonic() + episode.task.agent_timeout_s
+def _agent_loop(
+    episode: Episode, agent: Agent, policy: Any, shell: ShellSession, max_turns: int, task: Task | None = None
+) -> None:
+    """The agent's turns on `task` (a step of a multi-step task; default: the episode's) until done or out of time."""
+    task = task or episode.task
+    episode.messages = [{"role": "user", "content": agent.prompt(task)}]
+    deadline = time.monotonic() + task.agent_timeout_s
     for _ in range(max_turns):
         reply = policy.act(episode.messages)
         episode.messages.append({"role": "assistant", "content": reply})
@@ -115,6 +125,72 @@ def _agent_loop(episode: Episode, agent: Agent, policy: Any, shell: ShellSession
         if turn.action.done or time.monotonic() >= deadline:
             return  # an agent time-out is still graded, as in Harbor
         episode.messages.append({"role": "user", "content": agent.observe(turn)})
+
+
+def _run_steps(
+    episode: Episode, agent: Agent, policy_factory: PolicyFactory, sandbox: Any, max_turns: int, clock: float
+) -> float:
+    """A multi-step task's steps in order in one sandbox, as Harbor's MultiStepTrial runs them.
+
+    Each step: its `workdir/` is copied into the working directory and its `setup.sh` run; the agent starts a
+    fresh conversation on the step's instruction (a new policy, so the oracle plays that step's solution) with
+    the step's turn budget and time-out, in the same shell; then the step's tests (the task's tests/, the
+    step's own over them) run and are cleared before the next step. A step below its `min_reward` ends the
+    episode. The report is Harbor's trial reward: per-key means over the steps (or the last step's, with
+    `multi_step_reward_strategy = "final"`), and every step's tests, named `step::test`.
+    Simplified: a model policy's sampled tokens are kept for the last step only (`episode.policy`).
+    """
+    task, messages, shell = episode.task, [], ShellSession(sandbox, sandbox.workdir)
+    spent_s = {"agent": 0.0, "verify": 0.0}  # summed over the steps
+    for step in task.steps:
+        step_task = task.for_step(step)
+        _prepare_step(sandbox, step)
+        policy = episode.policy = policy_factory(step_task, agent)
+        for local, remote in policy.uploads.items():
+            sandbox.upload(local, remote)
+        _agent_loop(episode, agent, policy, shell, max_turns, step_task)
+        messages += episode.messages
+        clock = _lap(episode, "agent", clock)
+        spent_s["agent"] += episode.time_s["agent"]
+        for tests in step.tests_dirs[:-1]:  # the task's shared tests/ first; verify copies the step's over them
+            sandbox.upload(tests, "/tests")
+        report = episode.step_reports[step.name] = verify(sandbox, step_task)
+        sandbox.exec("rm -rf /tests/* /tests/.[!.]* /logs/verifier", timeout_s=30)  # the next step must not see them
+        clock = _lap(episode, "verify", clock)
+        spent_s["verify"] += episode.time_s["verify"]
+        if _below(report.rewards, step.min_reward):
+            break
+    episode.messages = messages
+    episode.time_s.update(spent_s)
+    episode.report = _combine_steps(episode.step_reports, task)
+    return clock
+
+
+def _prepare_step(sandbox: Any, step: Any) -> None:
+    if step.workdir_dir:
+        sandbox.upload(step.workdir_dir, sandbox.workdir)
+    if step.setup_script:
+        setup = sandbox.exec("bash ./setup.sh", timeout_s=step.agent_timeout_s)
+        if setup.exit_code != 0:  # the task's own set-up failing is not the agent's doing
+            raise SandboxError(f"step {step.name!r}: setup.sh exited {setup.exit_code}: {setup.output[-500:]}")
+
+
+def _below(rewards: dict[str, float], min_reward: float | dict[str, float] | None) -> bool:
+    """Harbor's gate: a float gates the "reward" key, a dict each of its keys; a missing key is -inf."""
+    if min_reward is None:
+        return False
+    thresholds = min_reward if isinstance(min_reward, dict) else {"reward": min_reward}
+    return any(rewards.get(key, float("-inf")) < threshold for key, threshold in thresholds.items())
+
+
+def _combine_steps(reports: dict[str, TestReport], task: Task) -> TestReport:
+    strategy = getattr(task.harbor, "multi_step_reward_strategy", None)
+    final = getattr(strategy, "value", strategy) == "final"  # Harbor's default (unset) is the mean
+    chosen = dict(list(reports.items())[-1:]) if final else reports
+    keys = {key for report in chosen.values() for key in report.rewards}
+    rewards = {key: sum(r.rewards.get(key, 0.0) for r in chosen.values()) / len(chosen) for key in keys}  # missing = 0
+    tests = {f"{name}::{test}": status for name, report in chosen.items() for test, status in report.tests.items()}
+    return TestReport(tests=tests, rewards=rewards, log_tail=list(reports.values())[-1].log_tail)
 
 
 def _lap(episode: Episode, phase: str, since: float) -> float:

@@ -23,6 +23,7 @@ from __future__ import annotations
 from tbexp.errors import TbexpError
 import json
 import math
+import shlex
 import tempfile
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
@@ -99,7 +100,7 @@ def verify(sandbox: Sandbox, task: Task) -> TestReport:
     # One exec: clearing stale results and running the tests together saves a sandbox start per episode.
     test_sh = provision.verifier_command(getattr(sandbox, "provision", None), "bash /tests/test.sh")  # uv offline
     command = f"rm -rf /logs/verifier && mkdir -p /logs/verifier && {test_sh} > /logs/verifier/test-stdout.txt 2>&1"
-    run = sandbox.exec(command, timeout_s=task.verifier_timeout_s)
+    run = sandbox.exec(_exports(task) + command, timeout_s=task.verifier_timeout_s)
     with tempfile.TemporaryDirectory(prefix="tbexp-verifier-") as tmp:
         try:
             sandbox.download("/logs/verifier", Path(tmp))
@@ -123,6 +124,19 @@ def _raise_if_no_python(sandbox: Sandbox, task_name: str) -> None:
     why = provision.missing_python(getattr(sandbox, "provision", None))
     if why:
         raise VerifierError(f"{task_name}: {why}")
+
+
+def _exports(task: Task) -> str:
+    """`[verifier] env` for test.sh, its `${VAR}` / `${VAR:-default}` taken from this host as Harbor does."""
+    if not task.verifier_env:
+        return ""
+    from harbor.utils.env import resolve_env_vars
+
+    try:
+        env = resolve_env_vars(task.verifier_env)
+    except ValueError as err:
+        raise VerifierError(f"{task.path / 'task.toml'}: [verifier] env: {err}") from err
+    return "".join(f"export {key}={shlex.quote(value)}; " for key, value in env.items())
 
 
 def read_results(logs: Path, task_name: str = "", timed_out: bool = False) -> TestReport:

@@ -27,7 +27,7 @@ from pathlib import Path
 from tbexp.sandboxes import provision
 from tbexp.sandboxes.base import OUTPUT_LIMIT_EXIT, TIMEOUT_EXIT, ExecResult, Sandbox, SandboxError
 from tbexp.sandboxes.cgroup import Cgroup, leftover_cgroups
-from tbexp.sandboxes.dockerfile import parse_dockerfile
+from tbexp.sandboxes.dockerfile import parse_dockerfile, prebuilt_environment
 
 WRITABLE = ("/app", "/tmp", "/root", "/logs", "/tests", "/solution")
 WORK_PARENT = Path(tempfile.gettempdir()) / "tbexp-sandboxes"
@@ -44,7 +44,10 @@ class BwrapSandbox(Sandbox):
             raise SandboxError("bwrap not found: apt-get install bubblewrap (scripts/setup.sh does it)")
         if not (self.rootfs / "usr/bin/python3").exists():
             raise SandboxError(f"sandbox.rootfs={self.rootfs} holds no root file system: run scripts/build_rootfs.sh")
-        self.env = parse_dockerfile(self.task.environment_dir / "Dockerfile", s.base_image)
+        if self.task.docker_image:
+            self.env = prebuilt_environment(self.task.docker_image, s.base_image)
+        else:
+            self.env = parse_dockerfile(self.task.environment_dir / "Dockerfile", s.base_image)
         self.id = f"{os.getpid()}-{uuid.uuid4().hex[:10]}"
         self.work = WORK_PARENT / self.id
         self.work.mkdir(parents=True)

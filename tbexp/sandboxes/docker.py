@@ -73,7 +73,9 @@ class DockerSandbox(Sandbox):
         self.id = None
         self.api = _client()
         _guard_process(self.api)
-        self.image = image = _ensure_image(self.api, self.task.environment_dir, self.settings.base_image, self.task.name)
+        # a prebuilt `[environment] docker_image` is used as it is (it must be in the engine: nothing is pulled)
+        env_dir, base = self.task.environment_dir, self.settings.base_image
+        self.image = image = self.task.docker_image or _ensure_image(self.api, env_dir, base, self.task.name)
         try:
             config = self.api.inspect_image(image)["Config"] or {}
             image_workdir = config.get("WorkingDir") or "/"

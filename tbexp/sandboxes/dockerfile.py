@@ -58,6 +58,14 @@ def parse_dockerfile(path: Path, base_image: str) -> Environment:
     return env
 
 
+def prebuilt_environment(image: str, base_image: str) -> Environment:
+    """A task's `[environment] docker_image`: only the base image, whose root file system this sandbox has."""
+    if image != base_image:
+        why = f"this sandbox has only {base_image}; use sandbox=docker"
+        raise DockerfileError(f"[environment] docker_image = {image!r}: {why}")
+    return Environment(base_image=image)
+
+
 def _logical_lines(text: str) -> list[tuple[int, str]]:
     """Join backslash continuations, drop comments and blanks; keep the first line number."""
     out: list[tuple[int, str]] = []

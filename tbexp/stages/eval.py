@@ -111,6 +111,10 @@ def evaluate(cfg: Any, out: Path, runtime: ModelRuntime | None = None, label: st
     """
     out.mkdir(parents=True, exist_ok=True)
     tasks = load_task_set(cfg.tasks)
+    (out / "unloadable_tasks.json").write_text(json.dumps(tasks.unloadable, indent=1))  # task dir -> reason
+    if tasks.unloadable:
+        reasons = out / "unloadable_tasks.json"
+        print(f"{len(tasks.unloadable)} task(s) cannot be loaded and are left out; reasons in {reasons}")
     name = label or cfg.policy
     log.info("eval %s: %d tasks x %d runs, sandbox=%s, agent=%s", name, len(tasks), cfg.eval.n_runs, cfg.sandbox.name, cfg.agent.name)
     episodes = run_policy(cfg, tasks, cfg.eval.n_runs, cfg.eval.concurrency, runtime, desc=f"eval {name}")
@@ -120,6 +124,7 @@ def evaluate(cfg: Any, out: Path, runtime: ModelRuntime | None = None, label: st
     # a different training reward is reported beside it as eval/<name>_reward.
     rewards = score_episodes(episodes, SimpleNamespace(name="per_test"))
     metrics = summarize(episodes, rewards)
+    metrics["tasks/unloadable"] = float(len(tasks.unloadable))
     if cfg.reward.name != "per_test":
         trained = score_episodes(episodes, cfg.reward)
         metrics[f"eval/{cfg.reward.name}_reward"] = summarize(episodes, trained)["eval/reward"]

@@ -1,29 +1,40 @@
-"""Task sets: the built-in suite or a directory of Harbor tasks, chosen by the `tasks` config node."""
+"""Task sets: the built-in suite or a directory of Harbor tasks, chosen by the `tasks` config node.
+
+A task of a directory that cannot be loaded is listed (`TaskSet.unloadable`, its reason logged once) and the
+rest of the set runs; `tasks.strict=true` makes any such task fatal. A set with no loadable task is an error.
+"""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
-from tbexp.tasks.harbor_task import Task, TaskError, load_task, load_tasks
+from tbexp.tasks.harbor_task import Task, TaskError, TaskSet, TaskStep, load_task, load_tasks
 
-__all__ = ["Task", "TaskError", "load_task", "load_tasks", "load_task_set"]
+__all__ = ["Task", "TaskError", "TaskSet", "TaskStep", "load_task", "load_task_set", "load_tasks"]
+
+log = logging.getLogger(__name__)
+_reported: set[tuple[str, str]] = set()  # (task dir, reason) already logged: a set is loaded once per stage
 
 
-def load_task_set(settings: Any, split: str | None = None, part: str | None = None) -> list[Task]:
+def load_task_set(settings: Any, split: str | None = None, part: str | None = None) -> TaskSet:
     """The tasks `settings` names; `split` overrides `settings.split` for the built-in suite.
 
     `part` divides the built-in train split when `settings.rl_share` > 0: "rl" is that share of each
     family's tasks (seeded), kept for RL; "sft" is the rest, whose solutions SFT trains on.
+    Terminal-Bench 1 directories are converted under `<cache>/migrated/` (cache = the parent of `tasks.cache_dir`).
     """
+    migrated_dir = Path(settings.cache_dir).parent / "migrated"
     if settings.source == "builtin":
         from tbexp.tasks.builtin import write_suite
 
         name = f"builtin-seed{settings.seed}-{settings.train_per_family}x{settings.heldout_per_family}"
         root = write_suite(Path(settings.cache_dir) / name, settings.seed, settings.train_per_family, settings.heldout_per_family)
-        tasks = load_tasks(root / (split or settings.split))
+        tasks = load_tasks(root / (split or settings.split), migrated_dir)
     else:
-        tasks = load_tasks(settings.path)
+        tasks = load_tasks(settings.path, migrated_dir)
+    unloadable = _check_unloadable(tasks.unloadable, settings)
     if part and settings.rl_share > 0 and settings.source == "builtin" and (split or settings.split) == "train":
         rl = _rl_part(tasks, settings.rl_share, settings.seed)
         tasks = [t for t in tasks if (t.name in rl) == (part == "rl")]
@@ -34,7 +45,19 @@ def load_task_set(settings: Any, split: str | None = None, part: str | None = No
         tasks = [t for t in tasks if t.family in settings.families]
     if settings.limit:
         tasks = tasks[: settings.limit]
-    return tasks
+    return TaskSet(tasks, unloadable)
+
+
+def _check_unloadable(unloadable: dict[str, str], settings: Any) -> dict[str, str]:
+    """Log each unloadable task once; with `tasks.strict`, refuse the set."""
+    if unloadable and getattr(settings, "strict", False):
+        listing = "\n".join(f"  {reason}" for reason in unloadable.values())
+        raise TaskError(f"tasks.strict=true and {len(unloadable)} task(s) cannot be loaded:\n{listing}")
+    for task_dir, reason in unloadable.items():
+        if (task_dir, reason) not in _reported:
+            _reported.add((task_dir, reason))
+            log.warning("task %s cannot be loaded, skipped: %s", task_dir, reason)
+    return unloadable
 
 
 def _rl_part(tasks: list[Task], share: float, seed: int) -> set[str]:

@@ -1,18 +1,29 @@
-"""Harbor task directories: load, validate, and describe one task.
+"""Task directories, read with Harbor's own task model.
 
-A task directory holds `task.toml`, `instruction.md`, `environment/`
-(a Dockerfile and the files it copies), `tests/` (`test.sh` plus pytest
-files) and optionally `solution/solve.sh`. Only the fields tbexp uses are
-read from `task.toml`; the rest is kept verbatim in `Task.config` so nothing
-Harbor understands is lost.
+`load_task` hands a directory to `harbor.models.task.task.Task`, the class Harbor's Trial loads, so every
+`task.toml` schema Harbor reads loads here the same way: `[environment] docker_image`, the time-outs,
+`cpus` / `memory_mb` / `storage_mb` (and the legacy `memory = "2G"`), `network_mode` (and the legacy
+`allow_internet`), `[verifier]` env / user / environment_mode with a separate verifier environment
+(`tests/Dockerfile`), several named rewards, and multi-step tasks (`[[steps]]` with `steps/<name>/`).
+A Terminal-Bench 1 directory (`task.yaml`) is first converted by Harbor's own mapper (`tbexp.tasks.migrate`).
+
+tbexp's `Task` keeps the values its episode loop reads as plain fields, the raw `task.toml` in `config`
+and Harbor's parsed `TaskConfig` in `harbor`. What Harbor leaves open gets tbexp's defaults: no
+`[agent] timeout_sec` is 600 s (Harbor: no limit), no `workdir` is /app.
 """
 
 from __future__ import annotations
 
-from tbexp.errors import TbexpError
+import re
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
+
+from tbexp.errors import TbexpError
+
+DEFAULT_TIMEOUT_S = 600.0  # agent and verifier, where task.toml names none
+SINGLE_STEP = "main"  # the name of the one step of a task without [[steps]]
 
 
 class TaskError(TbexpError, ValueError):
@@ -20,14 +31,49 @@ class TaskError(TbexpError, ValueError):
 
 
 @dataclass(frozen=True)
+class TaskStep:
+    """One step of a task: its instruction, and the files Harbor gives that step."""
+
+    name: str
+    instruction: str
+    tests_dirs: tuple[Path, ...] = ()  # copied to /tests in order (the task's tests/, then the step's own)
+    solution_script: Path | None = None  # the oracle's solve.sh: the step's own, else the task's
+    workdir_dir: Path | None = None  # steps/<name>/workdir: copied into the working directory before the step
+    agent_timeout_s: float = DEFAULT_TIMEOUT_S
+    verifier_timeout_s: float = DEFAULT_TIMEOUT_S
+    verifier_env: dict[str, str] = field(default_factory=dict)
+    min_reward: float | dict[str, float] | None = None  # below it, the remaining steps are not run (Harbor's gate)
+
+    @property
+    def setup_script(self) -> Path | None:
+        """steps/<name>/workdir/setup.sh, run in the working directory before the step's agent."""
+        script = self.workdir_dir / "setup.sh" if self.workdir_dir else None
+        return script if script and script.is_file() else None
+
+
+@dataclass(frozen=True)
 class Task:
     name: str  # "org/name" from task.toml, or the directory name
     path: Path
-    instruction: str
-    config: dict = field(repr=False)  # the parsed task.toml
+    instruction: str  # a multi-step task's first step's instruction
+    config: dict = field(repr=False)  # the raw task.toml
     workdir: str = "/app"
-    verifier_timeout_s: float = 600.0
-    agent_timeout_s: float = 600.0
+    verifier_timeout_s: float = DEFAULT_TIMEOUT_S
+    agent_timeout_s: float = DEFAULT_TIMEOUT_S
+    harbor: Any = field(default=None, repr=False)  # harbor.models.task.config.TaskConfig; None when built by hand
+    docker_image: str = ""  # a prebuilt image; "" = build environment/
+    network_mode: str = "public"  # Harbor's values: public | no-network | allowlist (Harbor's default is public)
+    cpus: float | None = None
+    memory_mb: int | None = None
+    storage_mb: int | None = None
+    build_timeout_s: float = 600.0
+    verifier_env: dict[str, str] = field(default_factory=dict, repr=False)  # as written; ${VAR} resolved at verify time
+    verifier_environment_dir: Path | None = None  # separate verifier mode: the folder of the verifier's Dockerfile
+    steps: list[TaskStep] = field(default_factory=list, repr=False)  # in order; one for a single-step task
+
+    def __post_init__(self):
+        if not self.steps:  # a Task built by hand (Harbor's environments do) is one step, as Harbor runs it
+            object.__setattr__(self, "steps", [self._single_step()])
 
     @property
     def metadata(self) -> dict:
@@ -35,7 +81,11 @@ class Task:
 
     @property
     def family(self) -> str:
-        return str(self.metadata.get("family", self.path.parent.name))
+        """`family` from the metadata, else `category`, else the task's name without its org and trailing number."""
+        for key in ("family", "category"):
+            if self.metadata.get(key):
+                return str(self.metadata[key])
+        return family_from_name(self.name)
 
     @property
     def environment_dir(self) -> Path:
@@ -43,16 +93,62 @@ class Task:
 
     @property
     def tests_dir(self) -> Path:
-        return self.path / "tests"
+        """The folder whose test.sh runs (for one step of a multi-step task, that step's own when it has one)."""
+        dirs = self.steps[0].tests_dirs if len(self.steps) == 1 else ()
+        return dirs[-1] if dirs else self.path / "tests"
 
     @property
     def solution_script(self) -> Path | None:
+        if len(self.steps) == 1 and self.steps[0].solution_script:
+            return self.steps[0].solution_script
         script = self.path / "solution" / "solve.sh"
         return script if script.is_file() else None
 
+    def for_step(self, step: TaskStep) -> Task:
+        """This task as its one step `step`: what the agent, the oracle and the verifier of that step see."""
+        return replace(
+            self,
+            instruction=step.instruction,
+            agent_timeout_s=step.agent_timeout_s,
+            verifier_timeout_s=step.verifier_timeout_s,
+            verifier_env=step.verifier_env,
+            steps=[step],
+        )
 
-def load_task(path: str | Path) -> Task:
-    """Read and check one Harbor task directory.
+    def _single_step(self) -> TaskStep:
+        tests = self.path / "tests"
+        script = self.path / "solution" / "solve.sh"
+        return TaskStep(
+            name=SINGLE_STEP,
+            instruction=self.instruction,
+            tests_dirs=(tests,),
+            solution_script=script if script.is_file() else None,
+            agent_timeout_s=self.agent_timeout_s,
+            verifier_timeout_s=self.verifier_timeout_s,
+            verifier_env=self.verifier_env,
+        )
+
+
+class TaskSet(list):
+    """The loadable tasks of a set, plus `unloadable`: task directory -> why it could not be loaded."""
+
+    def __init__(self, tasks=(), unloadable: dict[str, str] | None = None):
+        super().__init__(tasks)
+        self.unloadable: dict[str, str] = dict(unloadable or {})
+
+
+def family_from_name(name: str) -> str:
+    """A task's name without its org and a trailing instance number.
+
+    >>> family_from_name("terminal-bench/fix-git-3"), family_from_name("hello_world"), family_from_name("org/7zip")
+    ('fix-git', 'hello_world', '7zip')
+    """
+    short = name.rsplit("/", 1)[-1]
+    return re.sub(r"[-_.]\d+$", "", short) or short
+
+
+def load_task(path: str | Path, migrated_dir: Path | None = None) -> Task:
+    """Read and check one task directory: Harbor's layout, or Terminal-Bench 1's (converted into `migrated_dir`).
 
     >>> load_task("no/such/dir")
     Traceback (most recent call last):
@@ -62,49 +158,154 @@ def load_task(path: str | Path) -> Task:
     path = Path(path)
     if not path.is_dir():
         raise TaskError(f"{path}: not a task directory (no such directory)")
+    if not (path / "task.toml").is_file() and (path / "task.yaml").is_file():
+        from tbexp.tasks.migrate import migrate_tb1
+
+        path = migrate_tb1(path, migrated_dir)
     toml_path = path / "task.toml"
     if not toml_path.is_file():
-        raise TaskError(f"{toml_path}: missing (every Harbor task needs task.toml)")
-    try:
-        config = tomllib.loads(toml_path.read_text())
-    except tomllib.TOMLDecodeError as err:
-        raise TaskError(f"{toml_path}: broken TOML: {err}") from err
-    for section in ("task", "metadata", "verifier", "agent", "environment"):
-        if section in config and not isinstance(config[section], dict):
-            raise TaskError(f"{toml_path}: [{section}] must be a table")
-    instruction_path = path / "instruction.md"
-    if not instruction_path.is_file():
-        raise TaskError(f"{instruction_path}: missing (the agent's instruction)")
-    test_sh = path / "tests" / "test.sh"
-    if not test_sh.is_file():
-        raise TaskError(f"{test_sh}: missing (a task without tests cannot be verified)")
-    environment = config.get("environment", {})
-    return Task(
-        name=str(config.get("task", {}).get("name", path.name)),
-        path=path,
-        instruction=instruction_path.read_text(),
-        config=config,
-        workdir=str(environment.get("workdir", "/app")),
-        verifier_timeout_s=_seconds(config, "verifier", toml_path),
-        agent_timeout_s=_seconds(config, "agent", toml_path),
-    )
+        raise TaskError(f"{toml_path}: missing (every Harbor task needs task.toml; a Terminal-Bench 1 task, task.yaml)")
+    # Harbor's checks walk the task's trees (~15 ms a task here); a stage loads the same set several times
+    key = (path, *(_stamp(path / name) for name in ("task.toml", "instruction.md", "tests", "steps", "solution")))
+    if key not in _loaded:
+        try:
+            config = tomllib.loads(toml_path.read_text())
+        except tomllib.TOMLDecodeError as err:
+            raise TaskError(f"{toml_path}: broken TOML: {err}") from err
+        _loaded[key] = _from_harbor(path, config, _harbor_task(path, config))
+    return _loaded[key]
 
 
-def load_tasks(root: str | Path) -> list[Task]:
-    """All task directories directly under `root` (or `root` itself), sorted by name."""
+def load_tasks(root: str | Path, migrated_dir: Path | None = None) -> TaskSet:
+    """All task directories directly under `root` (or `root` itself), sorted by name.
+
+    A directory that cannot be loaded is listed in the result's `unloadable` with its reason; only a set
+    with no loadable task at all is an error.
+    """
     root = Path(root)
-    if (root / "task.toml").is_file():
-        return [load_task(root)]
+    if (root / "task.toml").is_file() or (root / "task.yaml").is_file():
+        return TaskSet([load_task(root, migrated_dir)])
     if not root.is_dir():
         raise TaskError(f"{root}: no such task directory or dataset")
     dirs = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
     if not dirs:
         raise TaskError(f"{root}: holds no task directories")
-    return [load_task(d) for d in dirs]
+    tasks, unloadable = [], {}
+    for d in dirs:
+        try:
+            tasks.append(load_task(d, migrated_dir))
+        except TaskError as err:
+            unloadable[str(d)] = str(err)
+    if not tasks:
+        reasons = "\n".join(f"  {reason}" for reason in unloadable.values())
+        raise TaskError(f"{root}: none of its {len(dirs)} task directories can be loaded:\n{reasons}")
+    return TaskSet(tasks, unloadable)
 
 
-def _seconds(config: dict, section: str, toml_path: Path) -> float:
-    value = config.get(section, {}).get("timeout_sec", 600.0)
-    if not isinstance(value, (int, float)) or value <= 0:
-        raise TaskError(f"{toml_path}: [{section}].timeout_sec must be a positive number, got {value!r}")
+_loaded: dict[tuple, Task] = {}  # (path, stamps of its files) -> the Task loaded from them
+
+
+def _stamp(path: Path) -> tuple[int, int] | None:
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return stat.st_mtime_ns, stat.st_size
+
+
+def _harbor_task(path: Path, config: dict) -> Any:
+    """Harbor's own Task for `path`; its refusals become TaskErrors that name the file."""
+    import warnings
+
+    from harbor.models.task.task import Task as HarborTask
+    from pydantic import ValidationError
+
+    try:
+        with warnings.catch_warnings():  # legacy fields (memory, allow_internet) are migrated, as Harbor does
+            warnings.simplefilter("ignore", DeprecationWarning)
+            task = HarborTask(path)
+    except ValidationError as err:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'task.toml'}: {e['msg']}" for e in err.errors())
+        raise TaskError(f"{path / 'task.toml'}: {problems}") from err
+    except (OSError, ValueError, RuntimeError) as err:
+        raise TaskError(_missing_file(path, config) or f"{path}: {err}") from err
+    if not task.config.environment.docker_image and not task.paths.environment_dir.is_dir():
+        raise TaskError(f"{task.paths.environment_dir}: missing (and task.toml names no [environment].docker_image)")
+    return task
+
+
+def _missing_file(path: Path, config: dict) -> str:
+    """The usual reason Harbor refuses a task, said by file name; "" when it is something else."""
+    if config.get("steps"):
+        return ""
+    if not (path / "instruction.md").is_file():
+        return f"{path / 'instruction.md'}: missing (the agent's instruction)"
+    if not (path / "tests" / "test.sh").is_file():
+        return f"{path / 'tests' / 'test.sh'}: missing (a task without tests cannot be verified)"
+    return ""
+
+
+def _from_harbor(path: Path, config: dict, harbor_task: Any) -> Task:
+    cfg = harbor_task.config
+    env = cfg.environment
+    agent_timeout_s = _positive(cfg.agent.timeout_sec, "agent", path)
+    verifier_timeout_s = _positive(cfg.verifier.timeout_sec, "verifier", path)
+    steps = [_step(harbor_task, s, path) for s in cfg.steps] if cfg.steps else []
+    return Task(
+        name=harbor_task.name,
+        path=path,
+        instruction=steps[0].instruction if steps else harbor_task.instruction,
+        config=config,
+        workdir=env.workdir or "/app",
+        verifier_timeout_s=verifier_timeout_s,
+        agent_timeout_s=agent_timeout_s,
+        harbor=cfg,
+        docker_image=env.docker_image or "",
+        network_mode=env.network_mode.value,
+        cpus=None if env.cpus is None else float(env.cpus),
+        memory_mb=env.memory_mb,
+        storage_mb=env.storage_mb,
+        build_timeout_s=float(env.build_timeout_sec),
+        verifier_env=dict(cfg.verifier.env),
+        verifier_environment_dir=_verifier_environment_dir(harbor_task),
+        steps=steps,
+    )
+
+
+def _step(harbor_task: Any, step: Any, path: Path) -> TaskStep:
+    """One [[steps]] entry, with the files and time-outs Harbor's MultiStepTrial gives it."""
+    paths, cfg = harbor_task.paths, harbor_task.config
+    tests = tuple(d for d in (paths.tests_dir, paths.step_tests_dir(step.name)) if d.is_dir())
+    solve = paths.discovered_step_solve_path_for(step.name, None) or paths.discovered_solve_path_for(None)
+    workdir = paths.step_workdir_dir(step.name)
+    agent_timeout = step.agent.timeout_sec if step.agent.timeout_sec is not None else cfg.agent.timeout_sec
+    return TaskStep(
+        name=step.name,
+        instruction=harbor_task.step_instruction(step.name),
+        tests_dirs=tests,
+        solution_script=solve if solve and solve.suffix == ".sh" else None,
+        workdir_dir=workdir if workdir.is_dir() else None,
+        agent_timeout_s=_positive(agent_timeout, f"steps.{step.name}.agent", path),
+        # Harbor takes the step's [verifier] timeout_sec, whose default (600) shadows the task's
+        verifier_timeout_s=_positive(step.verifier.timeout_sec, f"steps.{step.name}.verifier", path),
+        verifier_env={**cfg.verifier.env, **step.verifier.env},
+        min_reward=step.min_reward,
+    )
+
+
+def _verifier_environment_dir(harbor_task: Any) -> Path | None:
+    """The folder holding the verifier's own Dockerfile when Harbor runs it in a separate environment."""
+    from harbor.models.task.verifier_mode import resolve_verifier_environment_definition
+
+    definition = resolve_verifier_environment_definition(harbor_task.config, harbor_task.paths)
+    if definition is None or not definition.bundled_tests or definition.config.docker_image:
+        return None
+    return definition.directory
+
+
+def _positive(value: float | None, section: str, path: Path) -> float:
+    if value is None:
+        return DEFAULT_TIMEOUT_S
+    if value <= 0:
+        raise TaskError(f"{path / 'task.toml'}: [{section}].timeout_sec must be a positive number, got {value!r}")
     return float(value)

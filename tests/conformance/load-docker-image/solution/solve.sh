@@ -1,0 +1,3 @@
+#!/bin/bash
+mkdir -p /app/out
+echo 'hello from a prebuilt image' > /app/out/greeting.txt
