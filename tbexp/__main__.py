@@ -33,7 +33,6 @@ def main(cfg: DictConfig) -> float:
     from tbexp.policies import PolicyError
     from tbexp.renderers import RendererError
     from tbexp.sandboxes.base import SandboxError
-    from tbexp.sandboxes.dockerfile import DockerfileError
     from tbexp.tasks import TaskError
     from tbexp.trial import TrialPruned
     from tbexp.trajectories import DataError
@@ -46,7 +45,7 @@ def main(cfg: DictConfig) -> float:
         with job_run(cfg):  # the job's one W&B / Trackio run, if logger says so
             metrics = stage.run(cfg)
             note_result(metrics)  # the W&B report reads a sweep's objective from the runs' summaries
-    except (ConfigError, TaskError, PolicyError, SandboxError, DockerfileError, DataError, ModelLoadError, RendererError, BackendError) as err:
+    except (ConfigError, TaskError, PolicyError, SandboxError, DataError, ModelLoadError, RendererError, BackendError) as err:
         print(f"tbexp: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     except TrialPruned as stop:  # the sweep's pruner ended this trial (already marked PRUNED in the study)

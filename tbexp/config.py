@@ -91,6 +91,7 @@ class SandboxConfig:
     name: str = "bwrap"
     rootfs: str = "${oc.env:TBEXP_CACHE,${oc.env:HOME}/.cache/tbexp}/rootfs"  # bwrap: root file system (read-only)
     base_image: str = "tbexp-base:bookworm"  # docker: tag the task Dockerfiles start FROM
+    environment_source: str = "auto"  # bwrap: roots of other environments from docker | debootstrap | auto (docker if an engine answers)
     command_timeout_s: float = 30.0  # one exec; the command is killed after this
     output_limit_bytes: int = 65536  # one exec's stdout+stderr; beyond it the command is killed
     pids_limit: int = 128  # processes and threads in one sandbox

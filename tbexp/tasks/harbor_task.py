@@ -37,6 +37,23 @@ class Task:
         return str(self.metadata.get("family", self.path.parent.name))
 
     @property
+    def docker_image(self) -> str:
+        """A prebuilt image to run instead of building environment/ ("" = build it)."""
+        return str(self.config.get("environment", {}).get("docker_image") or "")
+
+    @property
+    def network_mode(self) -> str:
+        """Harbor's names: "public", "no-network", "allowlist". Without either key: no network, tbexp's default."""
+        environment = self.config.get("environment", {})
+        if "network_mode" in environment:
+            return str(environment["network_mode"])
+        return "public" if environment.get("allow_internet") is True else "no-network"
+
+    @property
+    def build_timeout_s(self) -> float:
+        return float(self.config.get("environment", {}).get("build_timeout_sec", 600.0))
+
+    @property
     def environment_dir(self) -> Path:
         return self.path / "environment"
 
