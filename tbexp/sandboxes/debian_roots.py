@@ -25,6 +25,8 @@ from pathlib import Path
 # Always in a suite root: what the sandboxes' agents and verifiers need (bash is in minbase already).
 SUITE_PACKAGES = ("python3", "tmux", "ca-certificates", "procps")
 DEBOOTSTRAP_TIMEOUT_S = 900
+HOST_CAS = Path("/usr/local/share/ca-certificates")  # the host's own CAs (an egress proxy's, for one)
+HOST_CAS_MARK = ".tbexp-host-cas"
 # A python image installs with `pip install` system-wide and has `python`; Debian's python3 refuses
 # (PEP 668) and has only `python3`, so the stand-in removes the marker and adds the alias.
 PYTHON_FLAVOUR = (
@@ -79,6 +81,8 @@ def suite_root(suite: str, cache: Path, log) -> Path:
     """`<cache>/environments/debootstrap-<suite>`, made by debootstrap once (needs root and Debian's mirror)."""
     root = cache / "environments" / f"debootstrap-{suite}"
     if (root / ".tbexp-complete").exists():
+        if not (root / HOST_CAS_MARK).exists():
+            add_host_cas(root)
         return root
     from tbexp.sandboxes.base import EnvironmentBuildError
 
@@ -100,7 +104,28 @@ def suite_root(suite: str, cache: Path, log) -> Path:
         (partial / path).mkdir(exist_ok=True)
     shutil.rmtree(partial / "var/cache/apt/archives", ignore_errors=True)
     (partial / "var/cache/apt/archives/partial").mkdir(parents=True, exist_ok=True)
+    add_host_cas(partial)
     (partial / ".tbexp-complete").touch()
     shutil.rmtree(root, ignore_errors=True)
     partial.rename(root)
     return root
+
+
+def add_host_cas(root: Path) -> None:
+    """Trust what the host trusts beyond Debian's list, so builds reach the registries the host reaches.
+
+    Where the host's traffic passes a TLS-inspecting proxy, pip and curl in a root without its CA fail
+    every https download; the stand-ins are local anyway, so they carry the host's extra CAs.
+    """
+    cas = sorted(HOST_CAS.glob("*.crt")) if HOST_CAS.is_dir() else []
+    if cas:
+        dest = root / "usr/local/share/ca-certificates"
+        dest.mkdir(parents=True, exist_ok=True)
+        for ca in cas:
+            shutil.copyfile(ca, dest / ca.name)
+        result = subprocess.run(["chroot", str(root), "update-ca-certificates"], capture_output=True, text=True)
+        if result.returncode != 0:
+            from tbexp.sandboxes.base import EnvironmentBuildError
+
+            raise EnvironmentBuildError(f"{root}: update-ca-certificates failed: {result.stderr.strip()[-300:]}")
+    (root / HOST_CAS_MARK).touch()

@@ -37,6 +37,7 @@ ENGINE_ERRORS = (docker.errors.DockerException, requests.exceptions.RequestExcep
 _lock = threading.Lock()  # guards _clients and _tag_locks
 _clients: dict[int, docker.APIClient] = {}  # by pid: a forked child needs its own connections
 _tag_locks: dict[str, threading.Lock] = {}
+builds = {"docker": 0}  # environments this process built (tests count them)
 _failed: dict[str, EnvironmentBuildError] = {}  # tag -> why its build failed, in this process
 BUILD_VERSION = "2"  # part of every tag: bump when what a build adds changes (2: the tools layer)
 DEFAULT_BUILD_TIMEOUT_S = 600.0  # Harbor's default build_timeout_sec
@@ -95,6 +96,7 @@ def _ensure_image(api: docker.APIClient, task, settings) -> str:
         except EnvironmentBuildError as err:
             _failed[tag] = err
             raise
+        builds["docker"] += 1
     return tag
 
 

@@ -36,6 +36,11 @@ from tbexp.sandboxes.dockerfile import DockerfileError, Instruction, Stage, pars
 
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 COPY_FLAGS = {"chown", "chmod", "link"}  # --link only changes how BuildKit layers the copy
+# A RUN reaches the registries the host reaches, trusting what the host trusts (where a TLS-inspecting
+# proxy sits between, the image's own CA list would fail every https download): the host's bundle is
+# bound here for the step, and the usual variables point at it. The empty mount point is removed after.
+HOST_CA = "/.tbexp-host-ca.crt"
+CA_VARIABLES = ("SSL_CERT_FILE", "PIP_CERT", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "GIT_SSL_CAINFO", "NODE_EXTRA_CA_CERTS")
 
 
 @dataclass
@@ -135,6 +140,10 @@ def _run(step: Instruction, root: Path, config: ImageConfig, log, deadline: floa
         bwrap += ["--cap-add", "ALL"]  # real root: apt and dpkg need chown, setuid and the rest
     else:
         bwrap += ["--unshare-user", "--uid", "0", "--gid", "0"]
+    host_ca = _host_ca_bundle()
+    if host_ca:  # the host's trust for this step only (see HOST_CA); the image keeps its own
+        bwrap += ["--ro-bind", host_ca, HOST_CA]
+        env.update({name: HOST_CA for name in CA_VARIABLES})
     for key, value in env.items():
         bwrap += ["--setenv", key, value]
     if uid:
@@ -146,6 +155,7 @@ def _run(step: Instruction, root: Path, config: ImageConfig, log, deadline: floa
         result = subprocess.run([*bwrap, *argv], stdin=subprocess.DEVNULL, capture_output=True, timeout=remaining_s)
     except subprocess.TimeoutExpired as err:
         raise DockerfileError(f"{step.where}: RUN did not finish within the build's time (build_timeout_s)") from err
+    (root / HOST_CA.lstrip("/")).unlink(missing_ok=True)
     output = (result.stdout + result.stderr).decode(errors="replace")
     log(output)
     if result.returncode != 0:
@@ -214,6 +224,13 @@ def _set_owner_mode(path: Path, owner: tuple[int, int] | None, chmod: str, where
             os.chown(current, *owner, follow_symlinks=False)
         if chmod and not current.is_symlink():
             current.chmod(int(chmod, 8))
+
+
+def _host_ca_bundle() -> str:
+    for candidate in (os.environ.get("SSL_CERT_FILE", ""), "/etc/ssl/certs/ca-certificates.crt"):
+        if candidate and Path(candidate).is_file():
+            return candidate
+    return ""
 
 
 def _resolv_conf(root: Path) -> None:

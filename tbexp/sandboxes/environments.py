@@ -218,6 +218,11 @@ def _built(dockerfile: Dockerfile, task: Any, settings: Any) -> PreparedEnvironm
     return _cached_root(cache_dir() / "environments" / digest, base, lambda root, log: build_stage(stage, context, root, _base_config(base), log, time.monotonic() + timeout_s))
 
 
+def stand_in_root(image: str) -> Path:
+    """The cached Debian root that stands in for `image` (scripts/build_base_images.sh imports it into Docker)."""
+    return _stand_in_root(Stage(f"FROM {image}", image), None)
+
+
 def _stand_in_root(stage: Stage, settings: Any) -> Path:
     """The Debian root that serves `stage`'s FROM image: a suite root, plus the image family's flavour."""
     found = stand_in(stage.base_image)
@@ -326,3 +331,9 @@ def _from_docker(task: Any, settings: Any) -> PreparedEnvironment:
         return image_config(api, image)
 
     return _cached_root(root, None, export)
+
+
+if __name__ == "__main__":  # python -m tbexp.sandboxes.environments IMAGE: build its stand-in root, print its path
+    import sys
+
+    print(stand_in_root(sys.argv[1]))
