@@ -107,14 +107,35 @@ def test_unreadable_instruction_is_refused_naming_the_file_and_line(tmp_path):
 
 
 def test_debian_stand_ins_follow_the_table():
-    suites = {image: stand_in(image).suite for image in ("debian:bookworm-slim", "python:3.11-slim", "python:3.12-slim", "python:3.13-slim-bookworm", "debian:trixie-slim", "ubuntu:24.04", "ubuntu:22.04")}
-    assert suites == {"debian:bookworm-slim": "bookworm", "python:3.11-slim": "bookworm", "python:3.12-slim": "trixie", "python:3.13-slim-bookworm": "trixie", "debian:trixie-slim": "trixie", "ubuntu:24.04": "trixie", "ubuntu:22.04": "bookworm"}
+    suites = {
+        image: stand_in(image).suite
+        for image in (
+            "debian:bookworm-slim",
+            "python:3.11-slim",
+            "python:3.12-slim",
+            "python:3.13-slim-bookworm",
+            "debian:trixie-slim",
+            "ubuntu:24.04",
+            "ubuntu:22.04",
+        )
+    }
+    assert suites == {
+        "debian:bookworm-slim": "bookworm",
+        "python:3.11-slim": "bookworm",
+        "python:3.12-slim": "trixie",
+        "python:3.13-slim-bookworm": "trixie",
+        "debian:trixie-slim": "trixie",
+        "ubuntu:24.04": "trixie",
+        "ubuntu:22.04": "bookworm",
+    }
     assert stand_in("alpine:3.20") is None
 
 
 def test_multi_stage_is_refused_by_the_builder_without_docker(tmp_path, bwrap_settings):
     task = make_task(tmp_path, "multi")
-    (task / "environment" / "Dockerfile").write_text("FROM debian:bookworm-slim AS build\nRUN true\nFROM debian:bookworm-slim\nCOPY --from=build /etc/hostname /x\n")
+    (task / "environment" / "Dockerfile").write_text(
+        "FROM debian:bookworm-slim AS build\nRUN true\nFROM debian:bookworm-slim\nCOPY --from=build /etc/hostname /x\n"
+    )
     unrunnable = prepare_environments([load_task(task)], bwrap_settings)
     assert "Dockerfile:3: a second FROM: multi-stage builds are not honoured" in unrunnable["test/multi"]
 
@@ -145,11 +166,17 @@ def test_a_failing_run_makes_the_task_unrunnable_once(tmp_path, bwrap_settings):
     from tbexp.sandboxes.bwrap import BwrapSandbox
 
     task = make_task(tmp_path, "fails")
-    (task / "environment" / "Dockerfile").write_text(f"FROM debian:bookworm-slim\n# {uuid.uuid4().hex}\nRUN echo building; exit 3\n")
+    (task / "environment" / "Dockerfile").write_text(
+        f"FROM debian:bookworm-slim\n# {uuid.uuid4().hex}\nRUN echo building; exit 3\n"
+    )
     task = load_task(task)
     unrunnable = prepare_environments([task], bwrap_settings)
     assert set(unrunnable) == {"test/fails"}
-    assert "Dockerfile:3: RUN" in unrunnable["test/fails"] and "exit 3" in unrunnable["test/fails"] and "building" in unrunnable["test/fails"]
+    assert (
+        "Dockerfile:3: RUN" in unrunnable["test/fails"]
+        and "exit 3" in unrunnable["test/fails"]
+        and "building" in unrunnable["test/fails"]
+    )
     builds_dir = environments.cache_dir() / "environments"
     before = sorted(p.name for p in builds_dir.iterdir())
     with pytest.raises(EnvironmentBuildError, match="exit 3"):  # remembered: no second build
@@ -163,6 +190,26 @@ def test_builtin_style_task_keeps_the_shared_root(tmp_path, bwrap_settings, demo
     with BwrapSandbox(bwrap_settings, demo_task) as box:
         assert box.rootfs == Path(bwrap_settings.rootfs)
         assert box.exec("cat /app/input.txt").output == "hello\n"
+
+
+def _prebuilt_task(root: Path, image: str):
+    task = make_task(root, "prebuilt")
+    toml = task / "task.toml"
+    toml.write_text(toml.read_text() + f'docker_image = "{image}"\n')
+    (task / "environment" / "Dockerfile").write_text("FROM no-such-image:ever\nRUN false\n")  # not built: the image is
+    return load_task(task)
+
+
+def test_prebuilt_docker_image_runs_on_its_stand_in_without_docker(tmp_path, bwrap_settings):
+    from tbexp.sandboxes.bwrap import BwrapSandbox
+
+    task = _prebuilt_task(tmp_path, "debian:bookworm-slim")
+    assert task.docker_image == "debian:bookworm-slim"
+    assert prepare_environments([task], bwrap_settings) == {}
+    with BwrapSandbox(bwrap_settings, task) as box:
+        assert box.rootfs.name == "debootstrap-bookworm"
+        result = box.exec("cut -c1-2 /etc/debian_version; command -v tmux")
+        assert result.output.split() == ["12", "/usr/bin/tmux"]
 
 
 # -- docker ---------------------------------------------------------------------------
@@ -206,6 +253,21 @@ def test_docker_environment_honours_every_instruction_and_is_built_once(tmp_path
 def test_docker_failing_build_is_unrunnable_with_the_log_tail(tmp_path, stand_ins):
     settings = compose_config("sandbox=docker").sandbox
     task = make_task(tmp_path, "fails")
-    (task / "environment" / "Dockerfile").write_text(f"FROM debian:bookworm-slim\n# {uuid.uuid4().hex}\nRUN echo building-it; exit 3\n")
+    (task / "environment" / "Dockerfile").write_text(
+        f"FROM debian:bookworm-slim\n# {uuid.uuid4().hex}\nRUN echo building-it; exit 3\n"
+    )
     unrunnable = prepare_environments([load_task(task)], settings)
     assert "docker build failed" in unrunnable["test/fails"] and "building-it" in unrunnable["test/fails"]
+
+
+@pytest.mark.docker
+def test_prebuilt_docker_image_runs_in_docker(tmp_path, stand_ins):
+    from tbexp.sandboxes.docker import DockerSandbox
+
+    settings = compose_config("sandbox=docker").sandbox
+    task = _prebuilt_task(tmp_path, "debian:bookworm-slim")
+    assert prepare_environments([task], settings) == {}
+    with DockerSandbox(settings, task) as box:
+        assert box.exec("cut -c1-2 /etc/debian_version; command -v tmux").output.split() == ["12", "/usr/bin/tmux"]
+    missing = _prebuilt_task(tmp_path / "other", "no-such-image:ever")
+    assert "docker_image no-such-image:ever is not on this engine" in prepare_environments([missing], settings)["test/prebuilt"]

@@ -49,8 +49,18 @@ TABLE: tuple[tuple[str, str, str, str], ...] = (
     (r"debian:(bookworm|12)([-.].*)?", "bookworm", "", "debian bookworm"),
     (r"debian:(trixie|13|stable|latest)([-.].*)?|debian", "trixie", "", "debian trixie"),
     (r"python:3\.([0-9]|1[01])([-.].*)?", "bookworm", PYTHON_FLAVOUR, "python 3.11 and older: bookworm's 3.11"),
-    (r"python:3\.(1[2-9])([-.].*)?|python:3|python(:latest)?", "trixie", PYTHON_FLAVOUR, "python 3.12 and newer: trixie's 3.13"),
-    (r"ubuntu:(2[4-9]\.\d\d|noble|oracular|plucky|questing|latest|rolling)", "trixie", "", "ubuntu 24.04 and newer: trixie"),
+    (
+        r"python:3\.(1[2-9])([-.].*)?|python:3|python(:latest)?",
+        "trixie",
+        PYTHON_FLAVOUR,
+        "python 3.12 and newer: trixie's 3.13",
+    ),
+    (
+        r"ubuntu:(2[4-9]\.\d\d|noble|oracular|plucky|questing|latest|rolling)",
+        "trixie",
+        "",
+        "ubuntu 24.04 and newer: trixie",
+    ),
     (r"ubuntu:(2[0-3]\.\d\d|focal|jammy|kinetic|lunar|mantic)", "bookworm", "", "ubuntu 20.04-23.10: bookworm"),
 )
 
@@ -87,7 +97,9 @@ def suite_root(suite: str, cache: Path, log) -> Path:
     from tbexp.sandboxes.base import EnvironmentBuildError
 
     if shutil.which("debootstrap") is None:
-        raise EnvironmentBuildError("debootstrap not found (apt-get install debootstrap): it makes the Debian roots of bwrap environments")
+        raise EnvironmentBuildError(
+            "debootstrap not found (apt-get install debootstrap): it makes the Debian roots of bwrap environments"
+        )
     partial = root.with_name(root.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.parent.mkdir(parents=True, exist_ok=True)

@@ -99,7 +99,11 @@ def read_dockerfile(path: Path) -> Dockerfile:
         where = f"{path}:{lineno}"
         keyword, _, rest = line.partition(" ")
         keyword, rest = keyword.upper(), rest.strip()
-        if "<<" in rest and re.search(r"<<-?\s*['\"]?[A-Za-z_]+['\"]?\s*$", rest.splitlines()[0]) and keyword in ("RUN", "COPY"):
+        if (
+            "<<" in rest
+            and re.search(r"<<-?\s*['\"]?[A-Za-z_]+['\"]?\s*$", rest.splitlines()[0])
+            and keyword in ("RUN", "COPY")
+        ):
             raise DockerfileError(f"{where}: heredocs (<<EOF) need BuildKit, which neither sandbox's builder has")
         if keyword not in HONOURED and keyword not in IGNORED and keyword != "FROM":
             raise DockerfileError(f"{where}: {keyword}: not a Dockerfile instruction tbexp can build")
@@ -222,7 +226,12 @@ def _logical_lines(text: str, path: Path) -> list[tuple[int, str]]:
     pending, start = "", 0
     for lineno, raw in enumerate(text.splitlines(), 1):
         line = raw.strip()
-        if not pending and not out and re.fullmatch(r"#\s*escape\s*=.*", line, re.I) and line.split("=", 1)[1].strip() != "\\":
+        if (
+            not pending
+            and not out
+            and re.fullmatch(r"#\s*escape\s*=.*", line, re.I)
+            and line.split("=", 1)[1].strip() != "\\"
+        ):
             raise DockerfileError(f"{path}:{lineno}: only the default escape character (\\) is supported")
         if not line or line.startswith("#"):
             continue  # a comment inside a continuation is dropped, as Docker does

@@ -39,7 +39,14 @@ COPY_FLAGS = {"chown", "chmod", "link"}  # --link only changes how BuildKit laye
 # proxy sits between, the image's own CA list would fail every https download): the host's bundle is
 # bound here for the step, and the usual variables point at it. The empty mount point is removed after.
 HOST_CA = "/.tbexp-host-ca.crt"
-CA_VARIABLES = ("SSL_CERT_FILE", "PIP_CERT", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "GIT_SSL_CAINFO", "NODE_EXTRA_CA_CERTS")
+CA_VARIABLES = (
+    "SSL_CERT_FILE",
+    "PIP_CERT",
+    "REQUESTS_CA_BUNDLE",
+    "CURL_CA_BUNDLE",
+    "GIT_SSL_CAINFO",
+    "NODE_EXTRA_CA_CERTS",
+)
 
 
 @dataclass
@@ -127,7 +134,9 @@ def _run(step: Instruction, root: Path, config: ImageConfig, log, deadline: floa
         if name == "mount" and "type=cache" in mount:
             continue  # a cache only speeds up a rebuild; the step runs the same without it
         if name != "network":  # builds have the host's network whatever the flag asks
-            raise DockerfileError(f"{step.where}: RUN --{name}={step.flags[name]}: not honoured by the bwrap builder; use sandbox=docker")
+            raise DockerfileError(
+                f"{step.where}: RUN --{name}={step.flags[name]}: not honoured by the bwrap builder; use sandbox=docker"
+            )
     argv = step.words() if step.args.startswith("[") else [*config.shell, step.args]
     uid, gid, home = user_ids(root, config.user, step.where)
     env = {"PATH": PATH, "HOME": home, **step.build_args, **config.env}
@@ -165,7 +174,10 @@ def _run(step: Instruction, root: Path, config: ImageConfig, log, deadline: floa
 def _copy(step: Instruction, context: Path, root: Path, config: ImageConfig) -> None:
     for name in step.flags:
         if name == "from":
-            raise DockerfileError(f"{step.where}: {step.keyword} --from={step.flags[name]}: multi-stage builds are not honoured by the bwrap builder; run a Docker engine (scripts/start_dockerd.sh), whose image it then exports")
+            raise DockerfileError(
+                f"{step.where}: {step.keyword} --from={step.flags[name]}: multi-stage builds are not honoured by the "
+                "bwrap builder; run a Docker engine (scripts/start_dockerd.sh), whose image it then exports"
+            )
         if name not in COPY_FLAGS:
             raise DockerfileError(f"{step.where}: {step.keyword} --{name}: not honoured by the bwrap builder")
     words = step.words()
@@ -203,10 +215,15 @@ def _sources(step: Instruction, context: Path, patterns: list[str]) -> list[Path
     sources: list[Path] = []
     for pattern in patterns:
         if "://" in pattern or pattern.startswith("git@"):
-            raise DockerfileError(f"{step.where}: {step.keyword} {pattern}: fetching URLs is not honoured by the bwrap builder; download in a RUN step instead")
+            raise DockerfileError(
+                f"{step.where}: {step.keyword} {pattern}: fetching URLs is not honoured by the bwrap builder; "
+                "download in a RUN step instead"
+            )
         matches = sorted(glob.glob(str(context / pattern.lstrip("/")))) or []
         if not matches:
-            raise DockerfileError(f"{step.where}: {step.keyword} {pattern}: no such file in the build context {context}")
+            raise DockerfileError(
+                f"{step.where}: {step.keyword} {pattern}: no such file in the build context {context}"
+            )
         for match in matches:
             path = Path(match)
             if context not in path.resolve().parents and path.resolve() != context:

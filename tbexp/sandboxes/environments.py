@@ -38,7 +38,15 @@ from typing import Any
 
 from tbexp.sandboxes.base import EnvironmentBuildError
 from tbexp.sandboxes.debian_roots import stand_in, suite_root, table_text
-from tbexp.sandboxes.dockerfile import IGNORED, Dockerfile, DockerfileError, Stage, context_hash, parse_env, read_dockerfile
+from tbexp.sandboxes.dockerfile import (
+    IGNORED,
+    Dockerfile,
+    DockerfileError,
+    Stage,
+    context_hash,
+    parse_env,
+    read_dockerfile,
+)
 from tbexp.sandboxes.environment_build import ImageConfig, build_stage, user_ids
 
 BUILDER_VERSION = "1"  # bump when a change to the builders changes what a cached root holds
@@ -77,7 +85,13 @@ def bwrap_environment(task: Any, settings: Any) -> PreparedEnvironment:
     """The prepared environment of `task` for bwrap; EnvironmentBuildError (remembered) where there is none."""
     docker_image = getattr(task, "docker_image", "") or ""
     source = _source(settings)
-    key = (context_hash(task.environment_dir) if not docker_image else "", docker_image, source, str(settings.rootfs), settings.base_image)
+    key = (
+        context_hash(task.environment_dir) if not docker_image else "",
+        docker_image,
+        source,
+        str(settings.rootfs),
+        settings.base_image,
+    )
     with _lock:
         lock = _key_locks.setdefault(key, threading.Lock())
     with lock:
@@ -87,7 +101,9 @@ def bwrap_environment(task: Any, settings: Any) -> PreparedEnvironment:
             except EnvironmentBuildError as err:
                 _prepared[key] = err
             except OSError as err:
-                _prepared[key] = EnvironmentBuildError(f"{task.environment_dir}: building the environment failed: {err}")
+                _prepared[key] = EnvironmentBuildError(
+                    f"{task.environment_dir}: building the environment failed: {err}"
+                )
         found = _prepared[key]
     if isinstance(found, EnvironmentBuildError):
         raise found
@@ -160,12 +176,14 @@ def _engine_answers() -> bool:
         socket_there = bool(os.environ.get("DOCKER_HOST")) or Path("/var/run/docker.sock").exists()
         answers = False
         if socket_there:
+            from tbexp.sandboxes.docker_images import ENGINE_ERRORS
+
             try:
                 import docker
 
                 docker.APIClient(version="auto", timeout=2, **docker.utils.kwargs_from_env()).ping()
                 answers = True
-            except Exception:  # any failure means: no engine to build with
+            except ENGINE_ERRORS:  # no engine to build with
                 answers = False
         _engine.append(answers)
     return _engine[0]
@@ -190,7 +208,9 @@ def _light(dockerfile: Dockerfile, task: Any, settings: Any, source: str) -> Pre
             dest = posixpath.normpath(posixpath.join(config.workdir, dest))
             if not any(dest == w or dest.startswith(w + "/") for w in WRITABLE_ROOTS):
                 return None
-            if step.keyword == "ADD" and any(s.endswith((".tar", ".gz", ".tgz", ".xz", ".bz2")) or "://" in s for s in sources):
+            if step.keyword == "ADD" and any(
+                s.endswith((".tar", ".gz", ".tgz", ".xz", ".bz2")) or "://" in s for s in sources
+            ):
                 return None
             copies += [(task.environment_dir / s, dest) for s in sources]
         else:
@@ -215,7 +235,11 @@ def _built(dockerfile: Dockerfile, task: Any, settings: Any) -> PreparedEnvironm
     context = dockerfile.path.parent
     digest = hashlib.sha256(f"{BUILDER_VERSION}\0{base_key}\0{context_hash(context)}".encode()).hexdigest()[:16]
     timeout_s = float(getattr(task, "build_timeout_s", 0) or DEFAULT_BUILD_TIMEOUT_S)
-    return _cached_root(cache_dir() / "environments" / digest, base, lambda root, log: build_stage(stage, context, root, _base_config(base), log, time.monotonic() + timeout_s))
+    return _cached_root(
+        cache_dir() / "environments" / digest,
+        base,
+        lambda root, log: build_stage(stage, context, root, _base_config(base), log, time.monotonic() + timeout_s),
+    )
 
 
 def stand_in_root(image: str) -> Path:
@@ -229,14 +253,21 @@ def _stand_in_root(stage: Stage, settings: Any) -> Path:
     if found is None:
         raise DockerfileError(
             f"{stage.where}: FROM {stage.base_image}: no Debian stand-in for this image ({table_text()}), and no "
-            "Docker engine to build it with; start one (scripts/start_dockerd.sh) with the image loaded, or use another base"
+            "Docker engine to build it with; start one (scripts/start_dockerd.sh) with the image loaded, "
+            "or use another base"
         )
     suite = suite_root(found.suite, cache_dir(), print)
     if not found.flavour:
         return suite
     digest = hashlib.sha256(f"{BUILDER_VERSION}\0{found.suite}\0{found.flavour}".encode()).hexdigest()[:12]
     flavour = read_flavour(found.flavour).stages[0]
-    return _cached_root(cache_dir() / "environments" / f"stand-in-{found.suite}-{digest}", suite, lambda root, log: build_stage(flavour, root, root, ImageConfig(), log, time.monotonic() + DEFAULT_BUILD_TIMEOUT_S)).root
+    return _cached_root(
+        cache_dir() / "environments" / f"stand-in-{found.suite}-{digest}",
+        suite,
+        lambda root, log: build_stage(
+            flavour, root, root, ImageConfig(), log, time.monotonic() + DEFAULT_BUILD_TIMEOUT_S
+        ),
+    ).root
 
 
 def read_flavour(lines: str) -> Dockerfile:
@@ -288,7 +319,14 @@ def _build_root(root: Path, base: Path | None, build) -> None:
             if not all((partial / tool).exists() or (partial / tool).is_symlink() for tool in TOOLS):
                 log("adding tmux, python3 and bash, which every tbexp environment has")
                 tools = read_flavour(ENSURE_TOOLS)
-                build_stage(tools.stages[0], partial, partial, ImageConfig(config.workdir, config.env), log, time.monotonic() + DEFAULT_BUILD_TIMEOUT_S)
+                build_stage(
+                    tools.stages[0],
+                    partial,
+                    partial,
+                    ImageConfig(config.workdir, config.env),
+                    log,
+                    time.monotonic() + DEFAULT_BUILD_TIMEOUT_S,
+                )
         except BaseException:
             shutil.rmtree(partial, ignore_errors=True)
             raise
