@@ -34,7 +34,7 @@ ENV GREETING="hello ${TOOL}" \\
     TOOL_HOME=/opt/${TOOL}
 RUN apt-get update && apt-get install -y --no-install-recommends ${TOOL} && rm -rf /var/lib/apt/lists/*
 RUN pip install --no-cache-dir tomli-w==1.0.0
-RUN useradd -m -u 1234 agent
+RUN useradd -m -u 1234 agent && mkdir -p /app && chown agent /app
 WORKDIR /app
 COPY data.txt ./
 COPY nonce.txt /opt/nonce.txt

@@ -107,7 +107,7 @@ def _build(api: docker.APIClient, source: dict, tag: str, task_name: str, timeou
         # timeout: the engine's silence for longer than this ends the build
         events = api.build(**source, tag=tag, network_mode="host", rm=True, forcerm=True, decode=True, timeout=timeout_s, labels={"tbexp.task": task_name})
         for event in events:
-            lines += event.get("stream", "").splitlines()
+            lines += re.sub(r"\x1b\[[0-9;]*m", "", event.get("stream", "")).splitlines()  # no colour codes
             if "error" in event:
                 tail = "\n".join([*lines[-20:], event["error"].strip()])
                 raise EnvironmentBuildError(f"{what}: docker build failed:\n{tail}")
