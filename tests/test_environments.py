@@ -44,6 +44,7 @@ RUN chmod 755 /usr/local/bin/hello
 EXPOSE 8080
 CMD ["sleep", "infinity"]
 USER agent
+RUN id -un > /home/agent/built-by
 """
 CHECKS = {
     "id -un; id -u": "agent\n1234",
@@ -55,6 +56,7 @@ CHECKS = {
     "hello": "hi from hello",
     "echo x > /app/new && echo y > ~/mine && cat /app/new ~/mine && echo $HOME": "x\ny\n/home/agent",
     "command -v tmux python3 bash | wc -l": "3",
+    "cat ~/built-by": "agent",  # a RUN after USER runs as that user
 }
 
 
@@ -246,6 +248,9 @@ def test_docker_environment_honours_every_instruction_and_is_built_once(tmp_path
                 result = box.exec(command)
                 assert (result.exit_code, result.output.strip()) == (0, expected), command
     assert len(images) == 1 and docker_images.builds["docker"] == builds + 1
+    for tag in images:  # this run's nonce makes the image useless to anyone else
+        for name in (tag, f"{tag}-dockerfile"):
+            stand_ins.remove_image(name, force=True)
 
 
 @pytest.mark.docker
