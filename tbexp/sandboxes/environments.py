@@ -208,9 +208,9 @@ def _light(dockerfile: Dockerfile, task: Any, settings: Any, source: str) -> Pre
             dest = posixpath.normpath(posixpath.join(config.workdir, dest))
             if not any(dest == w or dest.startswith(w + "/") for w in WRITABLE_ROOTS):
                 return None
-            if step.keyword == "ADD" and any(
-                s.endswith((".tar", ".gz", ".tgz", ".xz", ".bz2")) or "://" in s for s in sources
-            ):
+            if any(c in "".join(sources) for c in "*?[") or "://" in "".join(sources):
+                return None  # globs and URLs: the builder resolves them
+            if step.keyword == "ADD" and any(s.endswith((".tar", ".gz", ".tgz", ".xz", ".bz2")) for s in sources):
                 return None
             copies += [(task.environment_dir / s, dest) for s in sources]
         else:
