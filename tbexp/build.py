@@ -7,6 +7,7 @@ free of config plumbing.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -78,16 +79,23 @@ def run_policy(cfg: Any, tasks: list, n_runs: int, concurrency: int, runtime: An
     """`n_runs` episodes of `cfg.policy` on every task, each in a fresh sandbox, `concurrency` at a time.
 
     The policy is built once per task before any sandbox starts, so a policy that
-    cannot act (an oracle without a solution) fails before work is done.
+    cannot act (an oracle without a solution) fails before work is done; a task whose
+    environment cannot be built is skipped, its reason printed once.
     """
     from tbexp.agents.base import make_agent
     from tbexp.policies import make_policy
     from tbexp.rollout import run_episode, run_episodes
 
+    from tbexp.sandboxes.environments import prepare_environments
+
     agent = make_agent(cfg.agent)
     for task in tasks:
         for one in [task] if len(task.steps) == 1 else [task.for_step(step) for step in task.steps]:  # a policy a step
             make_policy(cfg.policy, one, agent, runtime)
+    unrunnable = prepare_environments(tasks, cfg.sandbox)  # each distinct environment built once, up front
+    for name, reason in unrunnable.items():
+        print(f"unrunnable task {name} (skipped): {reason}", file=sys.stderr)
+    tasks = [task for task in tasks if task.name not in unrunnable]
 
     def run_one(task, run_index):
         return run_episode(task, run_index, agent, lambda t, a: make_policy(cfg.policy, t, a, runtime, run_index), cfg.sandbox, cfg.agent.max_turns)

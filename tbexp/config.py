@@ -173,6 +173,7 @@ class SandboxConfig:
     name: str = "bwrap"
     rootfs: str = "${oc.env:TBEXP_CACHE,${oc.env:HOME}/.cache/tbexp}/rootfs"  # bwrap: root file system (read-only)
     base_image: str = "tbexp-base:bookworm"  # docker: tag the task Dockerfiles start FROM
+    environment_source: str = "auto"  # bwrap: roots of other environments from docker | debootstrap | auto (docker if an engine answers)
     command_timeout_s: float = 30.0  # one exec; the command is killed after this
     output_limit_bytes: int = 65536  # one exec's stdout+stderr; beyond it the command is killed
     pids_limit: int = 128  # processes and threads in one sandbox
@@ -180,6 +181,9 @@ class SandboxConfig:
     disk_mb: int = 256  # writable space: /app, /tmp, /logs together
     cpus: float = 1.0  # docker: CPU quota
     max_lifetime_s: float = 3600.0  # docker: a container removes itself after this, even if tbexp died
+    # A task whose task.toml asks for the network (network_mode = "public") gets the host's only when this is on;
+    # off, agents and verifiers run offline whatever the task says (the verifier's downloads are provisioned).
+    allow_network: bool = False
 
 
 @dataclass

@@ -162,12 +162,13 @@ def test_missing_rootfs_is_a_clear_error(sandbox_settings, demo_task, tmp_path):
     box.stop()
 
 
-def test_unsupported_dockerfile_points_at_docker(sandbox_settings, demo_task):
-    from tbexp.sandboxes.dockerfile import DockerfileError
+def test_an_instruction_it_cannot_honour_is_refused_naming_the_line(sandbox_settings, demo_task):
+    from tbexp.sandboxes.base import EnvironmentBuildError
 
+    sandbox_settings.environment_source = "debootstrap"  # the builder without Docker (Docker would honour it)
     dockerfile = demo_task.environment_dir / "Dockerfile"
-    dockerfile.write_text("FROM tbexp-base:bookworm\nRUN apt-get install -y cowsay\n")
-    with pytest.raises(DockerfileError, match="Dockerfile:2: RUN .* sandbox=docker"):
+    dockerfile.write_text("FROM tbexp-base:bookworm\nRUN --mount=type=secret,id=key cat /run/secrets/key\n")
+    with pytest.raises(EnvironmentBuildError, match="Dockerfile:2: RUN --mount=type=secret.*sandbox=docker"):
         BwrapSandbox(sandbox_settings, demo_task).start()
 
 

@@ -278,24 +278,25 @@ def test_bad_environments_are_clear_errors(settings, tmp_path):
         DockerSandbox(settings, task).start()
 
 
-def test_image_is_built_once_per_content(settings, tmp_path, monkeypatch, docker_engine):
+def test_image_is_built_once_per_content(settings, tmp_path, docker_engine):
     task = load_task(make_task(tmp_path, "cached", files={"input.txt": uuid.uuid4().hex}))
-    builds = []
-    real_build = docker_images._build
-    monkeypatch.setattr(docker_images, "_build", lambda *a: builds.append(a[3]) or real_build(*a))
+    before = docker_images.builds["docker"]
     boxes = [DockerSandbox(settings, task) for _ in range(3)]
     with ThreadPoolExecutor(3) as pool:
         list(pool.map(lambda box: box.start(), boxes))
     images = {docker_engine.inspect_container(box.id)["Image"] for box in boxes}
+    tags = {box.image for box in boxes}
     for box in boxes:
         box.stop()
-    assert len(builds) == 1 and len(images) == 1
+    assert docker_images.builds["docker"] == before + 1 and len(images) == 1
     (task.environment_dir / "app" / "input.txt").write_text("changed")
     with DockerSandbox(settings, task) as box:
         assert box.exec("cat input.txt").output == "changed"
-    assert len(builds) == 2
-    for tag in set(builds):
-        docker_engine.remove_image(tag, force=True)
+        tags.add(box.image)
+    assert docker_images.builds["docker"] == before + 2
+    for tag in tags:
+        for name in (tag, f"{tag}-dockerfile"):
+            docker_engine.remove_image(name, force=True)
 
 
 @pytest.mark.benchmark

@@ -192,10 +192,15 @@ def test_a_second_episode_downloads_nothing(provisioned, sandbox_settings, tmp_p
 @pytest.mark.sandbox
 def test_an_opted_out_task_gets_nothing(provisioned, sandbox_settings, tmp_path):
     task = tb2_task(tmp_path, VARIANTS["uvx"], "off", 'TBEXP_PROVISION = "0"')
-    sandbox, report = _episode(_bwrap(), sandbox_settings, task, solve=True)
-    assert sandbox.provision is None
-    assert report.n_total == 0 and report.rewards == {"reward": 0.0}  # uvx is not there: as TB2 offline
-    assert "uvx: command not found" in report.log_tail
+    sandbox = _bwrap()(sandbox_settings, load_task(task))
+    try:
+        sandbox.start()
+        assert sandbox.provision is None
+        # uvx is not there, as for TB2 offline: no test ran, which is the verifier's failure, never a valid 0
+        with pytest.raises(VerifierError, match=r"(?s)reported no test that passed or failed.*uvx: command not found"):
+            verify(sandbox, sandbox.task)
+    finally:
+        sandbox.stop()
 
 
 @pytest.mark.sandbox

@@ -26,6 +26,10 @@ class SandboxError(TbexpError, RuntimeError):
     """The sandbox itself failed (not the command run in it)."""
 
 
+class EnvironmentBuildError(SandboxError):
+    """A task's environment cannot be built or honoured; the task is unrunnable, not one episode invalid."""
+
+
 @dataclass(frozen=True)
 class ExecResult:
     output: str  # stdout and stderr interleaved, cut at the output limit
@@ -44,6 +48,10 @@ class Sandbox(abc.ABC):
         self.settings = settings  # the `sandbox` config node
         self.task = task
         self.workdir = task.workdir  # where exec runs; a Dockerfile's WORKDIR may change it at start
+
+    @classmethod
+    def prepare(cls, settings: Any, task: Task) -> None:
+        """Build the task's environment once, before any episode (EnvironmentBuildError if it cannot be)."""
 
     @abc.abstractmethod
     def start(self) -> None: ...

@@ -1,9 +1,15 @@
 """bubblewrap sandboxes: a read-only Debian root, private writable paths, no network.
 
 Layout of one sandbox (all on one host tmpfs of `disk_mb`, so filling the
-disk fills only that): /app, /tmp, /root, /logs, /tests, /solution are bound
-writable; the root file system (`rootfs`, built by scripts/build_rootfs.sh)
-is bound read-only. Every `exec` is a fresh `bwrap` with new user, PID, net,
+disk fills only that): /app, /tmp, /root, /logs, /tests, /solution (and a
+non-root USER's home) are bound writable, holding at start what the image
+holds there; the task's root file system is bound read-only. That root is
+`sandbox.rootfs` (scripts/build_rootfs.sh) for tasks FROM the base image that
+only copy files in, else the one environments.py builds from the task's
+Dockerfile, once per distinct environment. Commands run as the image's USER
+(root by default) of a user namespace that maps that one uid; a task whose
+network_mode is "public" shares the host's network where `sandbox.allow_network`
+lets it, every other has none. Every `exec` is a fresh `bwrap` with new user, PID, net,
 IPC and UTS namespaces (~10 ms), so a command cannot reach the host's
 loopback, see host processes, or outlive its exec: when the namespace's init
 exits, the kernel kills everything left in it. Process count and memory are
@@ -27,7 +33,7 @@ from pathlib import Path
 from tbexp.sandboxes import provision
 from tbexp.sandboxes.base import OUTPUT_LIMIT_EXIT, TIMEOUT_EXIT, ExecResult, Sandbox, SandboxError
 from tbexp.sandboxes.cgroup import Cgroup, leftover_cgroups
-from tbexp.sandboxes.dockerfile import parse_dockerfile, prebuilt_environment
+from tbexp.sandboxes.environments import bwrap_environment
 
 WRITABLE = ("/app", "/tmp", "/root", "/logs", "/tests", "/solution")
 WORK_PARENT = Path(tempfile.gettempdir()) / "tbexp-sandboxes"
@@ -36,24 +42,33 @@ _reaped = False
 
 
 class BwrapSandbox(Sandbox):
+    writable = WRITABLE  # the sandbox's own paths; a non-root USER's home joins them at start
+
+    @classmethod
+    def prepare(cls, settings, task) -> None:
+        bwrap_environment(task, settings)
+
     def start(self) -> None:
         _reap_once()
         s = self.settings
-        self.rootfs = Path(s.rootfs)
         if shutil.which("bwrap") is None:
             raise SandboxError("bwrap not found: apt-get install bubblewrap (scripts/setup.sh does it)")
+        self.env = bwrap_environment(self.task, s)
+        self.rootfs = self.env.root
         if not (self.rootfs / "usr/bin/python3").exists():
             raise SandboxError(f"sandbox.rootfs={self.rootfs} holds no root file system: run scripts/build_rootfs.sh")
-        if self.task.docker_image:
-            self.env = prebuilt_environment(self.task.docker_image, s.base_image)
-        else:
-            self.env = parse_dockerfile(self.task.environment_dir / "Dockerfile", s.base_image)
         self.id = f"{os.getpid()}-{uuid.uuid4().hex[:10]}"
         self.work = WORK_PARENT / self.id
         self.work.mkdir(parents=True)
         self.mounted = _mount_tmpfs(self.work, s.disk_mb)
-        for path in WRITABLE:
-            (self.work / path.lstrip("/")).mkdir(mode=0o755 if path != "/tmp" else 0o1777)
+        self.writable = WRITABLE
+        home = os.path.normpath(self.env.home)
+        if self.env.uid and (self.rootfs / home.lstrip("/")).is_dir() and not any(home == w or home.startswith(w + "/") for w in WRITABLE):
+            self.writable = (*WRITABLE, home)  # a USER's home is writable too, as in its container
+        for path in self.writable:
+            (self.work / path.lstrip("/")).mkdir(mode=0o755 if path != "/tmp" else 0o1777, parents=True)
+            if self.env.seeded:
+                _seed(self.rootfs / path.lstrip("/"), self.work / path.lstrip("/"))
         self.cgroup = Cgroup.create(self.id, s.pids_limit, s.memory_mb * 2**20)
         workdir = self.env.workdir if self.env.workdir != "/" else self.task.workdir
         self.workdir = workdir
@@ -114,13 +129,15 @@ class BwrapSandbox(Sandbox):
 
     def _bwrap_argv(self) -> list[str]:
         argv = ["bwrap", "--ro-bind", str(self.rootfs), "/"]
-        for path in WRITABLE:
+        for path in self.writable:
             argv += ["--bind", str(self.work / path.lstrip("/")), path]
         for host, path in self.provision.mounts if self.provision else []:
             argv += ["--ro-bind", str(host), path]
-        argv += ["--proc", "/proc", "--dev", "/dev", "--unshare-all", "--unshare-user", "--uid", "0", "--gid", "0"]
+        argv += ["--proc", "/proc", "--dev", "/dev", "--unshare-all", "--unshare-user", "--uid", str(self.env.uid), "--gid", str(self.env.gid)]
+        if self.task.network_mode == "public" and self.settings.allow_network:
+            argv.append("--share-net")  # the task allows the network; "allowlist" cannot be enforced here, so it has none
         argv += ["--die-with-parent", "--new-session", "--chdir", self.workdir, "--clearenv"]
-        env = {"PATH": PATH, "HOME": "/root", "LANG": "C.UTF-8", "TERM": "xterm", **self.env.env}
+        env = {"PATH": PATH, "HOME": self.env.home, "LANG": "C.UTF-8", "TERM": "xterm", **self.env.env}
         for key, value in env.items():
             argv += ["--setenv", key, value]
         return argv
@@ -151,7 +168,7 @@ class BwrapSandbox(Sandbox):
     def _host_path(self, remote: str) -> Path:
         """Map a sandbox path to the host, refusing anything outside the writable mounts."""
         norm = os.path.normpath(remote if remote.startswith("/") else f"{self.workdir}/{remote}")
-        for root in WRITABLE:
+        for root in self.writable:
             if norm == root or norm.startswith(root + "/"):
                 host = self.work / norm.lstrip("/")
                 real_root = (self.work / root.lstrip("/")).resolve()
@@ -159,7 +176,7 @@ class BwrapSandbox(Sandbox):
                 if parent != real_root and real_root not in parent.parents and host != real_root:
                     raise SandboxError(f"{remote}: resolves outside the sandbox")
                 return host
-        raise SandboxError(f"{remote}: only {', '.join(WRITABLE)} are writable in a bwrap sandbox")
+        raise SandboxError(f"{remote}: only {', '.join(self.writable)} are writable in a bwrap sandbox")
 
 
 def _read_capped(proc: subprocess.Popen, timeout_s: float, limit: int, kill) -> tuple[bytes, bool, bool]:
@@ -205,6 +222,13 @@ def _copy_in(local: Path, host: Path) -> None:
             _copy_in(child, host / child.name)
     else:
         shutil.copy2(local, host, follow_symlinks=False)
+
+
+def _seed(image_dir: Path, sandbox_dir: Path) -> None:
+    """What the image holds in a writable path, copied in; owned by the sandbox's one mapped user, as the
+    container's copy would be writable by the image's user (the owners the image gave are not kept)."""
+    if image_dir.is_dir() and not image_dir.is_symlink() and any(image_dir.iterdir()):
+        shutil.copytree(image_dir, sandbox_dir, symlinks=True, dirs_exist_ok=True)
 
 
 def _mount_tmpfs(path: Path, size_mb: int) -> bool:

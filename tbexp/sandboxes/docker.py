@@ -1,4 +1,4 @@
-"""`sandbox=docker`: the task's own image, one container per episode, no network.
+"""`sandbox=docker`: the task's own image, one container per episode, no network unless the task allows it.
 
 `DockerSandbox.start` gets the task's image (built once per content,
 docker_images.py), guards this process's containers against its death, and
@@ -69,20 +69,23 @@ KILL_ALL = ["bash", "-c", "kill -9 -1"]
 
 
 class DockerSandbox(Sandbox):
+    @classmethod
+    def prepare(cls, settings, task) -> None:
+        _ensure_image(_client(), task, settings)
+
     def start(self) -> None:
         self.id = None
         self.api = _client()
         _guard_process(self.api)
-        # a prebuilt `[environment] docker_image` is used as it is (it must be in the engine: nothing is pulled)
-        env_dir, base = self.task.environment_dir, self.settings.base_image
-        self.image = image = self.task.docker_image or _ensure_image(self.api, env_dir, base, self.task.name)
+        self.image = image = _ensure_image(self.api, self.task, self.settings)
         try:
             config = self.api.inspect_image(image)["Config"] or {}
             image_workdir = config.get("WorkingDir") or "/"
             self.workdir = image_workdir if image_workdir != "/" else self.task.workdir  # as bwrap
             image_env = {entry.partition("=")[0] for entry in config.get("Env") or []}
             env = {k: v for k, v in {"LANG": "C.UTF-8", "TERM": "xterm"}.items() if k not in image_env}
-            options = _container_options(self.settings, self.task.name, self.workdir, env)
+            network = self.task.network_mode == "public" and self.settings.allow_network  # else --network none
+            options = _container_options(self.settings, self.task.name, self.workdir, env, network)
             # What a TB2 test.sh would download (uv, its wheels), bound read-only: see provision.py.
             self.provision = provision.prepare(self.task)
             if self.provision:

@@ -1,6 +1,6 @@
 """Docker sandbox containers: made with limits, ended by their own timer, reaped when their owner dies.
 
-The container has no network, a CPU quota, memory (swap included) and
+The container has no network (the host's, where the task allows it), a CPU quota, memory (swap included) and
 process-count limits, and its main process is a bash loop that sleeps until
 `max_lifetime_s` has passed, reaping orphans meanwhile; it then exits and the
 engine removes the container (auto-remove), so a dead tbexp leaves nothing
@@ -65,8 +65,12 @@ _watchdog: subprocess.Popen | None = None
 _storage_opt_ok: bool | None = None  # None until the engine has been asked
 
 
-def _container_options(settings, task_name: str, workdir: str, env: dict[str, str]) -> dict:
-    """`create_container` arguments for one episode's container; `host_config` and `disk_mb` as plain values."""
+def _container_options(settings, task_name: str, workdir: str, env: dict[str, str], network: bool = False) -> dict:
+    """`create_container` arguments for one episode's container; `host_config` and `disk_mb` as plain values.
+
+    `network`: the task allows it (network_mode "public"). The engine runs with no bridge, so that is the
+    host's network; "allowlist" cannot be enforced here and gets none.
+    """
     safe_name = re.sub(r"[^a-zA-Z0-9_.-]+", "-", task_name).strip("-.")[:40] or "task"
     return dict(
         command=["bash", "-c", KEEPER.format(lifetime_s=max(1, int(settings.max_lifetime_s)))],
@@ -80,9 +84,9 @@ def _container_options(settings, task_name: str, workdir: str, env: dict[str, st
             "tbexp.owner_start": _start_time(os.getpid()),
             "tbexp.task": task_name,
         },
-        network_disabled=True,
+        network_disabled=not network,
         host_config=dict(
-            network_mode="none",
+            network_mode="host" if network else "none",
             nano_cpus=int(settings.cpus * 1e9),
             mem_limit=f"{settings.memory_mb}m",
             memswap_limit=f"{settings.memory_mb}m",

@@ -1,0 +1,2 @@
+#!/bin/bash
+join-parts > /app/joined.txt

@@ -1,0 +1,2 @@
+#!/bin/bash
+echo "$APP_GREETING" > /app/greeting.txt

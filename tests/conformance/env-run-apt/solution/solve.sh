@@ -1,0 +1,2 @@
+#!/bin/bash
+echo '2^70' | bc > /app/big.txt

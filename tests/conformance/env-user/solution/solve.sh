@@ -1,0 +1,2 @@
+#!/bin/bash
+{ whoami; cat ~/notes.txt; } > /app/who.txt
