@@ -83,6 +83,7 @@ MEASUREMENTS = {
     "cb-256": ("sample_continuous", {"concurrent": 256}),
     "grpo-step-before": ("grpo_step", {"continuous": False}),
     "grpo-step-after": ("grpo_step", {"continuous": True}),
+    "cb-64-nostop": ("sample_continuous", {"concurrent": 64, "stop": False}),
     "cb-64-torch-kernels": ("sample_continuous", {"concurrent": 64, "kernels": "torch"}),
     "sft-trl-ckpt": ("sft_trl", {"gradient_checkpointing": True}),
     "sft-tbexp-fast-ckpt": ("sft_tbexp", {**FAST, "gradient_checkpointing": True}),
@@ -516,7 +517,7 @@ def _decode_bound(engine, concurrent: int, mean_context: float, bandwidth: float
     return concurrent / ((weight_bytes + kv_bytes) / bandwidth)
 
 
-def _sample_continuous(shape: dict, concurrent: int, kernels: str = "auto") -> dict:
+def _sample_continuous(shape: dict, concurrent: int, kernels: str = "auto", stop: bool = True) -> dict:
     from tinker import types
 
     b = _backend(shape, _model(shape), continuous_batching=True, max_concurrent_sequences=max(16, concurrent))
@@ -531,14 +532,19 @@ def _sample_continuous(shape: dict, concurrent: int, kernels: str = "auto") -> d
     sampler.sample_batch(_cb_requests(shape, concurrent, 4, warm))  # captures this bucket's graph, compiles the kernels
     merge_s = [_timed(lambda: sampler._load_into(engine), shape) for _ in range(3)]
     requests = _cb_requests(shape, concurrent, shape["cb_new"])
+    if not stop:  # no stop string to decode and check each step: what the host's share of a step is
+        requests = [r.__class__(r.prompt, r.params.model_copy(update={"stop": []})) for r in requests]
     if shape["device"] == "cuda":
         torch.cuda.reset_peak_memory_stats()
     engine.first_token_s.clear()
     steps_before = engine.stats["decode_steps"]
+    decode_before = (engine.stats["decode_s"], engine.stats["device_wait_s"], engine.stats["prefill_s"])
     _sync(shape)
     start = time.perf_counter()
     seqs = sampler.sample_batch(requests)
     elapsed = time.perf_counter() - start
+    steps = engine.stats["decode_steps"] - steps_before
+    host_s = (engine.stats["decode_s"] - decode_before[0]) - (engine.stats["device_wait_s"] - decode_before[1])
     n = sum(len(s.tokens) for s in seqs)
     ttft = sorted(engine.first_token_s)
     decode_s = elapsed - ttft[-1]
@@ -559,7 +565,7 @@ def _sample_continuous(shape: dict, concurrent: int, kernels: str = "auto") -> d
     diff = torch.tensor(forced) - torch.tensor(seqs[-1].logprobs)
     return {
         "concurrent": concurrent, "kernels": engine.kernels, "tokens_per_s": round(n / elapsed, 1), "decode_tokens_per_s": round(decode_tokens_per_s, 1),
-        "new_tokens": n, "s": round(elapsed, 2), "ms_per_step": round(decode_s / max(1, engine.stats["decode_steps"] - steps_before) * 1e3, 3),
+        "new_tokens": n, "s": round(elapsed, 2), "ms_per_step": round(decode_s / max(1, steps) * 1e3, 3), "host_ms_per_step": round(host_s / max(1, steps) * 1e3, 3), "prefill_s": round(engine.stats["prefill_s"] - decode_before[2], 3), "stop": stop,
         "ttft_median_s": round(ttft[len(ttft) // 2], 3), "ttft_max_s": round(ttft[-1], 3),
         **{f"bound_tokens_per_s_at_{k}": round(v) for k, v in bounds.items()}, **{f"fraction_of_bound_at_{k}": round(decode_tokens_per_s / v, 3) for k, v in bounds.items()},
         "weight_merge_ms": [round(x * 1e3, 1) for x in merge_s], "page_tokens": engine.page_tokens, "kv_cache_tokens": (len(engine.pool.refs) - 1) * engine.page_tokens,

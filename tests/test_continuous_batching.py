@@ -206,3 +206,16 @@ def test_cuda_graph_decode_matches_the_eager_torch_decode():
     graphed = ContinuousBatcher(model, char_tokenizer(), [], page_tokens=16).submit_all(reqs)
     same = sum(a == b for e, g in zip(eager, graphed) for a, b in zip(e.tokens, g.tokens)) / sum(len(e.tokens) for e in eager)
     assert same > 0.9  # bf16: a near-tie may flip a token, after which the rest differs
+
+
+def test_stop_strings_checked_while_the_next_step_runs_end_each_row_where_alone_it_ends(tmp_path):
+    b = trained_backend(tmp_path, continuous_batching=True, max_concurrent_sequences=2)
+    reqs = requests(5)
+    free = [alone(b, r).tokens for r in reqs]
+    # Each request stops at a two-character string its own free run reaches at token 3 (one token each here).
+    stopping = [Request(r.prompt, r.params.model_copy(update={"stop": [b.tokenizer.decode(t[2:4])]})) for r, t in zip(reqs, free)]
+    got = b.sampler().sample_batch(stopping)
+    for r, g in zip(stopping, got):
+        want = alone(b, r)
+        assert (g.tokens, g.stop_reason) == (want.tokens, want.stop_reason)
+        assert g.stop_reason == "stop" and b.tokenizer.decode(g.tokens).endswith(r.params.stop[0]) and len(g.tokens) <= 4

@@ -271,7 +271,7 @@ class ContinuousBatcher:
         self.max_seq_tokens = max_seq_tokens or min(context, 32768)
         self.max_batch = max_batch
         self.prefill_tokens = prefill_tokens
-        self.cuda_graphs = cuda_graphs and on_gpu
+        self.cuda_graphs = cuda_graphs and on_gpu and kernels == "triton"  # the torch attention syncs on its lengths
         self.max_pages_per_seq = -(-self.max_seq_tokens // self.page_tokens)
         per_token = 2 * w.n_layers * w.n_kv_heads * w.head_dim * w.embed.element_size()
         if not kv_cache_tokens:  # 40% of what is free now on a GPU; 64k tokens elsewhere
@@ -293,8 +293,11 @@ class ContinuousBatcher:
         self._cond = threading.Condition()
         self._waiting: list[_Sequence] = []
         self._driving = False
+        self._pending_strings: list[_Sequence] = []  # rows whose newest token's stop strings are not checked yet
+        self._host_buffer: torch.Tensor | None = None  # pinned: the device-to-host copy of each step's picks
         self.first_token_s: list[float] = []  # time to first token of each finished request, submit to sample
-        self.stats = {"prefill_tokens": 0, "cached_prompt_tokens": 0, "decode_steps": 0, "decode_rows": 0, "weight_loads": 0, "weight_load_s": 0.0, "graph_captures": 0}
+        self.stats = {"prefill_tokens": 0, "cached_prompt_tokens": 0, "decode_steps": 0, "decode_rows": 0, "weight_loads": 0, "weight_load_s": 0.0, "graph_captures": 0,
+                      "decode_s": 0.0, "device_wait_s": 0.0, "prefill_s": 0.0}  # decode_s − device_wait_s: the host's share of decoding
 
     # ---- public ----
 
@@ -446,16 +449,21 @@ class ContinuousBatcher:
             for (start, n, length, _), pages in zip(spans, page_tables):
                 k = gather_pages(self.k_cache[layer], pages, length)
                 v = gather_pages(self.v_cache[layer], pages, length)
-                q = q_N_H_d[start : start + n].transpose(0, 1)
+                # 4-D inputs: SDPA's fused kernels take nothing else (3-D ones run its slow math kernel).
+                q = q_N_H_d[start : start + n].transpose(0, 1)[None]
                 if n == length:
-                    o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.weights.scale, enable_gqa=True)
+                    o = torch.nn.functional.scaled_dot_product_attention(q, k[None], v[None], is_causal=True, scale=self.weights.scale, enable_gqa=True)
                 else:  # after a cached prefix: query i sees the prefix and the new tokens up to itself
+                    # The masked (memory-efficient) kernel has no GQA: the KV heads are repeated for it.
+                    group = q.shape[1] // k.shape[0]
+                    k, v = k.repeat_interleave(group, 0)[None], v.repeat_interleave(group, 0)[None]
                     mask = torch.arange(length, device=dev)[None] <= torch.arange(length - n, length, device=dev)[:, None]
-                    o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.weights.scale, enable_gqa=True)
-                outs.append(o.transpose(0, 1).reshape(n, -1))
+                    o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.weights.scale)
+                outs.append(o[0].transpose(0, 1).reshape(n, -1))
             return torch.cat(outs)
 
         last = torch.tensor([start + n - 1 for start, n, *_ in spans], device=dev)
+        began = time.perf_counter()
         with torch.no_grad():
             hidden = self._forward(tokens_N, positions_N, slots_N, attend)
             logits = self._logits(hidden[last])
@@ -463,9 +471,11 @@ class ContinuousBatcher:
         for seq in seqs:
             seq.written = len(seq.request.prompt)
         self._sample_and_append(seqs, logits)
+        self.stats["prefill_s"] += time.perf_counter() - began
 
     def _decode(self) -> None:
         """One token for every live row: one forward over the bucket, graph-replayed on a GPU."""
+        start = time.perf_counter()
         n = len(self.rows)
         bucket = next((b for b in BUCKETS if b >= n), n) if self.cuda_graphs else n
         host = np.zeros((4, bucket), dtype=np.int64)
@@ -488,6 +498,7 @@ class ContinuousBatcher:
         self.stats["decode_steps"] += 1
         self.stats["decode_rows"] += n
         self._sample_and_append(list(self.rows), logits[:n], rows=slice(0, n))
+        self.stats["decode_s"] += time.perf_counter() - start
 
     def _decode_logits(self, bucket: int) -> torch.Tensor:
         if not self.cuda_graphs:
@@ -542,6 +553,9 @@ class ContinuousBatcher:
         return torch.nn.functional.linear(hidden_N_D, self.weights.head).float()
 
     def _sample_and_append(self, seqs: list[_Sequence], logits_B_V: torch.Tensor, rows: slice | None = None) -> None:
+        """Sample every row and append; with `rows` (a decode step), stop strings of the rows that go on are
+        checked while the device runs the next step (`_pending_strings`), and a row found stopped then drops
+        that step's token."""
         dev = self.device
         if rows is not None:
             temps, seeds, steps = self.temperatures[rows], self.sample_inputs[0, rows], self.sample_inputs[1, rows]
@@ -553,25 +567,59 @@ class ContinuousBatcher:
         if any(_filters(s.request.params) for s in seqs):
             filtered = torch.stack([_filtered_row(logits_B_V[b], s.request.params) for b, s in enumerate(seqs)])
         tokens_B, logp_B = self.ops["sample"](logits_B_V, temps, seeds, steps, filtered)
-        picked, logps = torch.stack([tokens_B.double(), logp_B.double()]).cpu().numpy()  # the step's one sync
+        ready = self._to_host(torch.stack([tokens_B.double(), logp_B.double()]))
+        if rows is not None:  # the device is busy with this step: decode the previous step's tails meanwhile
+            self._check_strings(self._pending_strings)
+            self._pending_strings = []
+        waited = time.perf_counter()
+        picked, logps = ready()  # the step's one sync
         now = time.perf_counter()
-        strings = [s for s in seqs if s.stops.strings]
+        self.stats["device_wait_s"] += now - waited
+        appended = []
         for b, seq in enumerate(seqs):
+            if seq.done is not None:  # stopped by a string found while this step ran: its token is dropped
+                continue
             token = int(picked[b])
             seq.tokens.append(token)
             seq.logprobs.append(float(logps[b]))
+            appended.append(seq)
             if seq.first_token_s is None:
                 seq.first_token_s = now
             if token in seq.stops.token_ids:
                 seq.done = "stop"
             elif len(seq.tokens) >= seq.limit:
                 seq.done = "length"
-        live_strings = [s for s in strings if s.done is None or s.done == "length"]
-        if live_strings:  # one batched decode of every row's tail instead of one call per row
-            texts = self.tokenizer.batch_decode([s.tokens[-s.stops.tail_tokens :] for s in live_strings])
-            for seq, text in zip(live_strings, texts):
+        strings = [s for s in appended if s.stops.strings and s.done != "stop"]
+        if rows is None:
+            self._check_strings(strings)
+        else:  # rows that end here are decided now (a stop string outranks the length); the others next step
+            self._check_strings([s for s in strings if s.done is not None])
+            self._pending_strings = [s for s in strings if s.done is None]
+
+    def _check_strings(self, seqs: list[_Sequence]) -> None:
+        if seqs:  # one batched decode of every row's tail instead of one call per row
+            texts = self.tokenizer.batch_decode([s.tokens[-s.stops.tail_tokens :] for s in seqs])
+            for seq, text in zip(seqs, texts):
                 if any(stop in text for stop in seq.stops.strings):
                     seq.done = "stop"
+
+    def _to_host(self, values: torch.Tensor):
+        """Start copying `values` to the host; returns the wait that gives them as a numpy array."""
+        if not values.is_cuda:
+            return values.numpy
+        n = values.shape[1]
+        if self._host_buffer is None or self._host_buffer.shape[1] < n:
+            self._host_buffer = torch.empty(values.shape[0], max(n, self.max_batch), dtype=values.dtype, pin_memory=True)
+        view = self._host_buffer[:, :n]
+        view.copy_(values, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+
+        def wait():
+            event.synchronize()
+            return view.numpy()
+
+        return wait
 
     def _add_row(self, seq: _Sequence) -> None:
         row = len(self.rows)
@@ -619,8 +667,9 @@ class ContinuousBatcher:
 
 
 def _splits(programs: int, max_pages: int) -> int:
-    """Split-K factor for the attention kernel: enough programs to cover the GPU (~132 SMs, two waves)."""
-    return max(1, min(16, -(-264 // programs), max_pages))
+    """Split-K factor for the attention kernel: ~8 programs per SM of an H100/H200 (132 SMs), so that page loads
+    overlap (one program walks its pages one after another)."""
+    return max(1, min(16, -(-1056 // programs), max_pages))
 
 
 def _filters(params) -> bool:
