@@ -84,6 +84,8 @@ MEASUREMENTS = {
     "grpo-step-before": ("grpo_step", {"continuous": False}),
     "grpo-step-after": ("grpo_step", {"continuous": True}),
     "cb-64-nostop": ("sample_continuous", {"concurrent": 64, "stop": False}),
+    "cb-64-page16": ("sample_continuous", {"concurrent": 64, "page_tokens": 16}),
+    "cb-64-page64": ("sample_continuous", {"concurrent": 64, "page_tokens": 64}),
     "cb-64-torch-kernels": ("sample_continuous", {"concurrent": 64, "kernels": "torch"}),
     "sft-trl-ckpt": ("sft_trl", {"gradient_checkpointing": True}),
     "sft-tbexp-fast-ckpt": ("sft_tbexp", {**FAST, "gradient_checkpointing": True}),
@@ -517,16 +519,16 @@ def _decode_bound(engine, concurrent: int, mean_context: float, bandwidth: float
     return concurrent / ((weight_bytes + kv_bytes) / bandwidth)
 
 
-def _sample_continuous(shape: dict, concurrent: int, kernels: str = "auto", stop: bool = True) -> dict:
+def _sample_continuous(shape: dict, concurrent: int, kernels: str = "auto", stop: bool = True, page_tokens: int = 0) -> dict:
     from tinker import types
 
     b = _backend(shape, _model(shape), continuous_batching=True, max_concurrent_sequences=max(16, concurrent))
     sampler = b.sampler()
-    if kernels != "auto":  # before the first request builds it
+    if kernels != "auto" or page_tokens:  # before the first request builds it
         from tbexp.backends.continuous_batching import ContinuousBatcher
 
         with sampler._model() as (_, lm):
-            b._batcher = ContinuousBatcher(lm, b.tokenizer, b.eos_token_ids, snapshot=sampler, kernels=kernels, max_batch=max(16, concurrent))
+            b._batcher = ContinuousBatcher(lm, b.tokenizer, b.eos_token_ids, snapshot=sampler, kernels=kernels, page_tokens=page_tokens, max_batch=max(16, concurrent))
     engine = b._continuous_batcher(sampler)
     warm = [r.prompt[::-1] for r in _cb_requests(shape, concurrent, 4)]  # other prompts: nothing cached for the measured run
     sampler.sample_batch(_cb_requests(shape, concurrent, 4, warm))  # captures this bucket's graph, compiles the kernels

@@ -43,9 +43,15 @@ def main() -> int:
     for norm in (True, False):
         caches = [torch.randn(pages, hkv, page, d, device=dev, dtype=dt) for _ in range(2)]
         caches += [c.clone() for c in caches]
-        q1 = tri["qk_norm_rope_store"](qkv, cos, sin, qn if norm else None, kn if norm else None, 1e-6, caches[0], caches[1], slots, hq, hkv)
-        q2 = ref["qk_norm_rope_store"](qkv, cos, sin, qn if norm else None, kn if norm else None, 1e-6, caches[2], caches[3], slots, hq, hkv)
-        results[f"qk_norm_rope_store norm={norm}"] = max(rel(q1, q2), rel(caches[0], caches[2]), rel(caches[1], caches[3]))
+        q1 = tri["qk_norm_rope_store"](
+            qkv, cos, sin, qn if norm else None, kn if norm else None, 1e-6, caches[0], caches[1], slots, hq, hkv
+        )
+        q2 = ref["qk_norm_rope_store"](
+            qkv, cos, sin, qn if norm else None, kn if norm else None, 1e-6, caches[2], caches[3], slots, hq, hkv
+        )
+        results[f"qk_norm_rope_store norm={norm}"] = max(
+            rel(q1, q2), rel(caches[0], caches[2]), rel(caches[1], caches[3])
+        )
     for group in (2, 8):
         kc = torch.randn(pages, hkv, page, d, device=dev, dtype=dt)
         vc = torch.randn_like(kc)
@@ -54,7 +60,9 @@ def main() -> int:
         q = torch.randn(n, hkv * group, d, device=dev, dtype=dt)
         want = ref["attention"](q, kc, vc, table, lens, d**-0.5)
         for splits in (1, 3, 8):
-            results[f"paged_attention group={group} splits={splits}"] = rel(tri["attention"](q, kc, vc, table, lens, d**-0.5, splits), want)
+            results[f"paged_attention group={group} splits={splits}"] = rel(
+                tri["attention"](q, kc, vc, table, lens, d**-0.5, splits), want
+            )
     gu = torch.randn(n, 2 * 1100, device=dev, dtype=dt)
     results["silu_mul"] = rel(tri["silu_mul"](gu), ref["silu_mul"](gu))
     vocab = 10000

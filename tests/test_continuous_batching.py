@@ -1,4 +1,4 @@
-"""Continuous batching (backend.continuous_batching): batched = alone, logprobs = teacher forcing, shared prefixes, stops."""
+"""backend.continuous_batching: batched = alone, logprobs = teacher forcing, shared prefixes, stops, threads."""
 
 from __future__ import annotations
 
@@ -24,15 +24,39 @@ REPO = Path(__file__).resolve().parent.parent
 
 def tiny_model(kind: str, seed: int = 0):
     """A tiny random decoder: Qwen3 (q/k norms, GQA 4:2, head_dim 16) or Llama (GQA, no q/k norms)."""
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return Qwen3ForCausalLM(Qwen3Config(head_dim=16, **common)) if kind == "qwen3" else LlamaForCausalLM(LlamaConfig(**common))
+        return (
+            Qwen3ForCausalLM(Qwen3Config(head_dim=16, **common))
+            if kind == "qwen3"
+            else LlamaForCausalLM(LlamaConfig(**common))
+        )
 
 
 def trained_backend(tmp_path, kind: str = "qwen3", **kw) -> LocalBackend:
     """A LoRA backend one SGD step away from its base, so the LoRA deltas are not zero and must be merged right."""
-    b = LocalBackend(tiny_model(kind), char_tokenizer(), lora_rank=4, lora_alpha=8.0, lora_dropout=0.0, lora_targets=TARGETS, device="cpu", save_dir=tmp_path / "states", merge_for_sampling=False, **kw)
+    b = LocalBackend(
+        tiny_model(kind),
+        char_tokenizer(),
+        lora_rank=4,
+        lora_alpha=8.0,
+        lora_dropout=0.0,
+        lora_targets=TARGETS,
+        device="cpu",
+        save_dir=tmp_path / "states",
+        merge_for_sampling=False,
+        **kw,
+    )
     b.forward_backward([sft_datum(random_tokens(20, 1)), sft_datum(random_tokens(15, 2))], "cross_entropy").result()
     b.optim_step(sgd(0.5)).result()
     return b
@@ -40,7 +64,12 @@ def trained_backend(tmp_path, kind: str = "qwen3", **kw) -> LocalBackend:
 
 def requests(n: int = 6, temperature: float = 0.9) -> list[Request]:
     shapes = [(5, 7), (13, 20), (4, 3), (9, 15), (22, 9), (3, 11), (17, 4), (8, 8)][:n]
-    return [Request(random_tokens(p, seed=100 + i), types.SamplingParams(max_tokens=k, temperature=temperature, seed=i, stop=[])) for i, (p, k) in enumerate(shapes)]
+    return [
+        Request(
+            random_tokens(p, seed=100 + i), types.SamplingParams(max_tokens=k, temperature=temperature, seed=i, stop=[])
+        )
+        for i, (p, k) in enumerate(shapes)
+    ]
 
 
 def alone(b: LocalBackend, request: Request):
@@ -51,7 +80,9 @@ def alone(b: LocalBackend, request: Request):
 
 @pytest.mark.parametrize("kind", ["qwen3", "llama"])
 def test_a_request_gets_the_same_tokens_alone_or_joining_a_running_batch(tmp_path, kind):
-    b = trained_backend(tmp_path, kind, continuous_batching=True, max_concurrent_sequences=3)  # 8 requests, 3 rows: they join as others leave
+    b = trained_backend(
+        tmp_path, kind, continuous_batching=True, max_concurrent_sequences=3
+    )  # 8 requests, 3 rows: they join as others leave
     reqs = requests(8)
     batched = b.sampler().sample_batch(reqs)
     for r, got in zip(reqs, batched):
@@ -69,9 +100,21 @@ def test_logprobs_match_a_teacher_forced_pass_with_the_lora_weights(tmp_path):
     for r, got in zip(reqs := requests(4), sampler.sample_batch(requests(4))):
         forced = sampler.compute_logprobs(types.ModelInput.from_ints(r.prompt + got.tokens)).result()[len(r.prompt) :]
         assert got.logprobs == pytest.approx(forced, abs=1e-4)
-    base = LocalBackend(tiny_model("qwen3"), char_tokenizer(), lora_rank=4, lora_alpha=8.0, lora_dropout=0.0, lora_targets=TARGETS, device="cpu", save_dir=tmp_path / "base", merge_for_sampling=False)
+    base = LocalBackend(
+        tiny_model("qwen3"),
+        char_tokenizer(),
+        lora_rank=4,
+        lora_alpha=8.0,
+        lora_dropout=0.0,
+        lora_targets=TARGETS,
+        device="cpu",
+        save_dir=tmp_path / "base",
+        merge_for_sampling=False,
+    )
     r, got = reqs[1], sampler.sample_batch([reqs[1]])[0]
-    untrained = base.sampler().compute_logprobs(types.ModelInput.from_ints(r.prompt + got.tokens)).result()[len(r.prompt) :]
+    untrained = (
+        base.sampler().compute_logprobs(types.ModelInput.from_ints(r.prompt + got.tokens)).result()[len(r.prompt) :]
+    )
     assert max(abs(x - y) for x, y in zip(got.logprobs, untrained)) > 1e-3  # the trained LoRA deltas mattered
 
 
@@ -94,7 +137,9 @@ def test_samples_of_one_prompt_and_later_turns_share_cached_pages(tmp_path):
     group = sampler.sample(types.ModelInput.from_ints(prompt), 4, params).result()
     stats = b._batcher.stats
     page = b._batcher.page_tokens
-    assert stats["prefill_tokens"] == 40 + 3 * (40 - (39 // page) * page)  # one prompt encoded; the others share its full pages
+    assert stats["prefill_tokens"] == 40 + 3 * (
+        40 - (39 // page) * page
+    )  # one prompt encoded; the others share its full pages
     assert len({tuple(s.tokens) for s in group}) > 1  # sample i draws with its own seed
     seeds = [(3 + i * 0x9E3779B97F4A7C15) % 2**63 for i in range(4)]
     for s, seed in zip(group, seeds):  # sharing changes nothing a sample gets
@@ -117,7 +162,11 @@ def test_stops_follow_the_existing_sampler(tmp_path):
     assert by_id.tokens == free[: free.index(free[3]) + 1] and by_id.stop_reason == "stop"
     text = b.tokenizer.decode(free[4:6])
     by_string = sampler.sample_batch([Request(prompt, greedy.model_copy(update={"stop": [text]}))])[0]
-    assert b.tokenizer.decode(by_string.tokens).endswith(text) and by_string.stop_reason == "stop" and len(by_string.tokens) <= 6
+    assert (
+        b.tokenizer.decode(by_string.tokens).endswith(text)
+        and by_string.stop_reason == "stop"
+        and len(by_string.tokens) <= 6
+    )
     b.eos_token_ids = [free[2]]
     b._batcher.eos_token_ids = [free[2]]
     by_eos = sampler.sample_batch([Request(prompt, greedy.model_copy(update={"stop": None}))])[0]
@@ -131,7 +180,9 @@ def test_a_small_cache_makes_requests_wait_for_pages_not_fail(tmp_path):
     got = b.sampler().sample_batch(reqs)
     assert [g.tokens for g in got] == [alone(b, r).tokens for r in reqs]
     with pytest.raises(ValueError, match="raise kv_cache_tokens"):
-        b.sampler().sample_batch([Request(random_tokens(60, 1), types.SamplingParams(max_tokens=30, temperature=0.0, stop=[]))])
+        b.sampler().sample_batch(
+            [Request(random_tokens(60, 1), types.SamplingParams(max_tokens=30, temperature=0.0, stop=[]))]
+        )
 
 
 def test_concurrent_episodes_submit_from_threads_and_weights_follow_the_snapshot(tmp_path):
@@ -139,7 +190,9 @@ def test_concurrent_episodes_submit_from_threads_and_weights_follow_the_snapshot
     queue = b.sampler().request_queue()
     reqs = requests(8)
     answers: dict[int, object] = {}
-    threads = [threading.Thread(target=lambda i=i: answers.__setitem__(i, queue.submit(reqs[i]))) for i in range(len(reqs))]
+    threads = [
+        threading.Thread(target=lambda i=i: answers.__setitem__(i, queue.submit(reqs[i]))) for i in range(len(reqs))
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -164,7 +217,9 @@ def test_gumbel_max_draws_follow_the_tempered_softmax():
     assert logp[0].item() == pytest.approx(torch.log_softmax(logits[0], 0)[tokens[0]].item(), abs=1e-6)  # untempered
     again, _ = sample_tokens_torch(logits[:3], torch.full((3,), 0.7), seeds[:3], torch.zeros(3, dtype=torch.long))
     assert again.tolist() == tokens[:3].tolist()  # the same (seed, step) draws the same, whatever the batch
-    later, _ = sample_tokens_torch(logits[:200], torch.full((200,), 0.7), seeds[:200], torch.ones(200, dtype=torch.long))
+    later, _ = sample_tokens_torch(
+        logits[:200], torch.full((200,), 0.7), seeds[:200], torch.ones(200, dtype=torch.long)
+    )
     assert later.tolist() != tokens[:200].tolist()  # the next token index draws fresh noise
 
 
@@ -180,7 +235,10 @@ def test_page_pool_shares_registers_and_reuses_idle_pages_last():
     assert pool.take(2) and a[1] in pool.page_of.values()  # free pages go before idle cached ones
     pool.take(1)  # now the idle cached page is reused and forgotten
     assert digests[1] not in pool.page_of and pool.available() == 0
-    assert page_digests([1, 2, 3, 4, 9], 4) != page_digests([1, 2, 3, 5, 9], 4) and len(page_digests(list(range(7)), 4)) == 1
+    assert (
+        page_digests([1, 2, 3, 4, 9], 4) != page_digests([1, 2, 3, 5, 9], 4)
+        and len(page_digests(list(range(7)), 4)) == 1
+    )
 
 
 def test_unsupported_models_are_refused_by_name():
@@ -193,7 +251,13 @@ def test_unsupported_models_are_refused_by_name():
 def test_triton_kernels_match_the_torch_references_in_the_interpreter():
     pytest.importorskip("triton")
     script = REPO / "scripts" / "check_paged_kernels.py"
-    proc = subprocess.run([sys.executable, str(script), "cpu"], capture_output=True, text=True, timeout=600, env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)})
+    proc = subprocess.run(
+        [sys.executable, str(script), "cpu"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)},
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "ALL OK" in proc.stdout
 
@@ -202,9 +266,13 @@ def test_triton_kernels_match_the_torch_references_in_the_interpreter():
 def test_cuda_graph_decode_matches_the_eager_torch_decode():
     model = tiny_model("qwen3").cuda().to(torch.bfloat16)
     reqs = requests(8)
-    eager = ContinuousBatcher(model, char_tokenizer(), [], kernels="torch", cuda_graphs=False, page_tokens=16).submit_all(reqs)
+    eager = ContinuousBatcher(
+        model, char_tokenizer(), [], kernels="torch", cuda_graphs=False, page_tokens=16
+    ).submit_all(reqs)
     graphed = ContinuousBatcher(model, char_tokenizer(), [], page_tokens=16).submit_all(reqs)
-    same = sum(a == b for e, g in zip(eager, graphed) for a, b in zip(e.tokens, g.tokens)) / sum(len(e.tokens) for e in eager)
+    same = sum(a == b for e, g in zip(eager, graphed) for a, b in zip(e.tokens, g.tokens)) / sum(
+        len(e.tokens) for e in eager
+    )
     assert same > 0.9  # bf16: a near-tie may flip a token, after which the rest differs
 
 
@@ -213,9 +281,51 @@ def test_stop_strings_checked_while_the_next_step_runs_end_each_row_where_alone_
     reqs = requests(5)
     free = [alone(b, r).tokens for r in reqs]
     # Each request stops at a two-character string its own free run reaches at token 3 (one token each here).
-    stopping = [Request(r.prompt, r.params.model_copy(update={"stop": [b.tokenizer.decode(t[2:4])]})) for r, t in zip(reqs, free)]
+    stopping = [
+        Request(r.prompt, r.params.model_copy(update={"stop": [b.tokenizer.decode(t[2:4])]}))
+        for r, t in zip(reqs, free)
+    ]
     got = b.sampler().sample_batch(stopping)
     for r, g in zip(stopping, got):
         want = alone(b, r)
         assert (g.tokens, g.stop_reason) == (want.tokens, want.stop_reason)
-        assert g.stop_reason == "stop" and b.tokenizer.decode(g.tokens).endswith(r.params.stop[0]) and len(g.tokens) <= 4
+        assert (
+            g.stop_reason == "stop" and b.tokenizer.decode(g.tokens).endswith(r.params.stop[0]) and len(g.tokens) <= 4
+        )
+
+
+def test_model_policy_episodes_submit_to_the_running_batch_only_when_asked(tmp_path):
+    from tbexp.backends.batch_sampling import BatchQueue
+    from tbexp.policies import ModelRuntime
+
+    b = trained_backend(tmp_path, continuous_batching=True)
+    runtime = ModelRuntime(b.sampler(), renderer=None, params=None)
+    r = requests(1)[0]
+    assert not isinstance(runtime.queue, BatchQueue) and runtime.queue.submit(r).tokens == alone(b, r).tokens
+    assert b._batcher.stats["decode_steps"] > 0  # it went through the batcher
+    off = LocalBackend(
+        tiny_model("qwen3"),
+        char_tokenizer(),
+        lora_rank=4,
+        lora_alpha=8.0,
+        lora_dropout=0.0,
+        lora_targets=TARGETS,
+        device="cpu",
+        save_dir=tmp_path / "off",
+    )
+    assert (
+        isinstance(ModelRuntime(off.sampler(), renderer=None, params=None).queue, BatchQueue) and off._batcher is None
+    )
+    # A small model on a CPU merges a private copy per sampler by default; the batcher merges into its own buffers.
+    on = LocalBackend(
+        tiny_model("qwen3"),
+        char_tokenizer(),
+        lora_rank=4,
+        lora_alpha=8.0,
+        lora_dropout=0.0,
+        lora_targets=TARGETS,
+        device="cpu",
+        save_dir=tmp_path / "on",
+        continuous_batching=True,
+    )
+    assert off.sampler()._merged is not None and on.sampler()._merged is None

@@ -13,7 +13,10 @@ iteration of the loop (`ContinuousBatcher._iterate`):
    pass over every admitted prompt's new tokens);
 2. runs one decode step over all live rows (one token each), padded up to the
    next batch-size bucket, replaying that bucket's CUDA graph on a GPU;
-3. samples every row, appends, checks stops, and frees the rows that finished.
+3. samples every row, appends, checks stops, and frees the rows that finished;
+   stop strings (a batched decode of each row's tail) are checked while the
+   device runs the next step, and a row found stopped then drops that step's
+   token, so the host's decoding overlaps the device's work.
 
 KV cache: pages of `page_tokens` tokens in one pool per layer (see
 paged_kernels.py for the layout); a sequence holds a block table of pages,
@@ -146,7 +149,9 @@ def page_digests(tokens: list[int], page_tokens: int) -> list[bytes]:
     """One digest per full page of `tokens`, each covering every token up to that page's end."""
     digests, previous = [], b""
     for start in range(0, len(tokens) - page_tokens + 1, page_tokens):
-        previous = hashlib.blake2b(previous + np.asarray(tokens[start : start + page_tokens], dtype=np.int64).tobytes(), digest_size=16).digest()
+        previous = hashlib.blake2b(
+            previous + np.asarray(tokens[start : start + page_tokens], dtype=np.int64).tobytes(), digest_size=16
+        ).digest()
         digests.append(previous)
     return digests
 
@@ -182,7 +187,9 @@ class DecodeWeights:
             for i, layer in enumerate(decoder.layers):
                 a, m = layer.self_attn, layer.mlp
                 tensors = {
-                    "qkv": torch.cat([_effective_weight(a.q_proj), _effective_weight(a.k_proj), _effective_weight(a.v_proj)]),
+                    "qkv": torch.cat(
+                        [_effective_weight(a.q_proj), _effective_weight(a.k_proj), _effective_weight(a.v_proj)]
+                    ),
                     "o": _effective_weight(a.o_proj),
                     "gate_up": torch.cat([_effective_weight(m.gate_proj), _effective_weight(m.up_proj)]),
                     "down": _effective_weight(m.down_proj),
@@ -190,7 +197,9 @@ class DecodeWeights:
                     "ln2": layer.post_attention_layernorm.weight,
                 }
                 if self.has_qkv_bias:
-                    tensors["qkv_bias"] = torch.cat([_linear_bias(a.q_proj), _linear_bias(a.k_proj), _linear_bias(a.v_proj)])
+                    tensors["qkv_bias"] = torch.cat(
+                        [_linear_bias(a.q_proj), _linear_bias(a.k_proj), _linear_bias(a.v_proj)]
+                    )
                 if self.has_qk_norm:
                     tensors["q_norm"], tensors["k_norm"] = a.q_norm.weight, a.k_norm.weight
                 if fresh:
@@ -220,7 +229,10 @@ def _check_supported(config) -> None:
     if getattr(config, "mlp_bias", False):
         problems.append("MLP biases")
     if problems:
-        raise ValueError(f"backend.continuous_batching: {type(config).__name__} is not supported ({'; '.join(problems)}); set backend.continuous_batching=false")
+        raise ValueError(
+            f"backend.continuous_batching: {type(config).__name__} is not supported ({'; '.join(problems)}); "
+            "set backend.continuous_batching=false"
+        )
 
 
 def _linear_bias(module):
@@ -252,8 +264,21 @@ def _final_norm_weight(norm) -> torch.Tensor:
 class ContinuousBatcher:
     """The running batch, its paged KV cache and its CUDA graphs; one per backend (see the module docstring)."""
 
-    def __init__(self, lm, tokenizer, eos_token_ids, *, snapshot=None, kv_cache_tokens: int = 0, page_tokens: int = 0,
-                 max_batch: int = 256, max_seq_tokens: int = 0, cuda_graphs: bool = True, kernels: str = "auto", prefill_tokens: int = 16384):
+    def __init__(
+        self,
+        lm,
+        tokenizer,
+        eos_token_ids,
+        *,
+        snapshot=None,
+        kv_cache_tokens: int = 0,
+        page_tokens: int = 0,
+        max_batch: int = 256,
+        max_seq_tokens: int = 0,
+        cuda_graphs: bool = True,
+        kernels: str = "auto",
+        prefill_tokens: int = 16384,
+    ):
         self.weights = w = DecodeWeights(lm)
         self.device = w.embed.device
         self.tokenizer, self.eos_token_ids = tokenizer, list(eos_token_ids)
@@ -283,8 +308,12 @@ class ContinuousBatcher:
         self.pool = PagePool(n_pages)
         self.rope_cos, self.rope_sin = _rope_tables(lm, self.max_seq_tokens, self.device)
         # Per-row device state of the decode batch; a bucket's step reads the first `bucket` rows.
-        self.block_tables = torch.full((max_batch, self.max_pages_per_seq), SCRATCH_PAGE, dtype=torch.int32, device=self.device)
-        self.step_inputs = torch.zeros(4, max_batch, dtype=torch.long, device=self.device)  # token, position, slot, length
+        self.block_tables = torch.full(
+            (max_batch, self.max_pages_per_seq), SCRATCH_PAGE, dtype=torch.int32, device=self.device
+        )
+        self.step_inputs = torch.zeros(
+            4, max_batch, dtype=torch.long, device=self.device
+        )  # token, position, slot, length
         self.sample_inputs = torch.zeros(2, max_batch, dtype=torch.long, device=self.device)  # seed, token index
         self.temperatures = torch.zeros(max_batch, dtype=torch.float32, device=self.device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -296,8 +325,18 @@ class ContinuousBatcher:
         self._pending_strings: list[_Sequence] = []  # rows whose newest token's stop strings are not checked yet
         self._host_buffer: torch.Tensor | None = None  # pinned: the device-to-host copy of each step's picks
         self.first_token_s: list[float] = []  # time to first token of each finished request, submit to sample
-        self.stats = {"prefill_tokens": 0, "cached_prompt_tokens": 0, "decode_steps": 0, "decode_rows": 0, "weight_loads": 0, "weight_load_s": 0.0, "graph_captures": 0,
-                      "decode_s": 0.0, "device_wait_s": 0.0, "prefill_s": 0.0}  # decode_s − device_wait_s: the host's share of decoding
+        self.stats = {
+            "prefill_tokens": 0,
+            "cached_prompt_tokens": 0,
+            "decode_steps": 0,
+            "decode_rows": 0,
+            "weight_loads": 0,
+            "weight_load_s": 0.0,
+            "graph_captures": 0,
+            "decode_s": 0.0,
+            "device_wait_s": 0.0,
+            "prefill_s": 0.0,
+        }  # decode_s − device_wait_s: the host's share of decoding
 
     # ---- public ----
 
@@ -305,10 +344,15 @@ class ContinuousBatcher:
         """Sample one reply; blocks until it is done (see the module docstring)."""
         return self.submit_all([request], snapshot, load)[0]
 
-    def submit_all(self, requests: list[Request], snapshot=None, load=None, seeds: list[int] | None = None) -> list[SampledSequence]:
-        """One reply per request, all in the running batch; `load(engine)` fills the weights of `snapshot` when needed."""
+    def submit_all(
+        self, requests: list[Request], snapshot=None, load=None, seeds: list[int] | None = None
+    ) -> list[SampledSequence]:
+        """One reply per request, all in the running batch; `load(engine)` fills in `snapshot`'s weights if needed."""
         now = time.perf_counter()
-        seqs = [self._new_sequence(r, snapshot, load, now, None if seeds is None else seeds[i]) for i, r in enumerate(requests)]
+        seqs = [
+            self._new_sequence(r, snapshot, load, now, None if seeds is None else seeds[i])
+            for i, r in enumerate(requests)
+        ]
         with self._cond:
             self._waiting.extend(seqs)
         futures = [s.future for s in seqs]
@@ -348,10 +392,16 @@ class ContinuousBatcher:
             raise ValueError("an empty prompt has no position to sample from")
         limit = params.max_tokens if params.max_tokens is not None else self.max_seq_tokens - len(request.prompt)
         if len(request.prompt) + limit > self.max_seq_tokens:
-            raise ValueError(f"prompt ({len(request.prompt)}) + max_tokens ({limit}) exceeds the batcher's {self.max_seq_tokens} tokens a sequence")
+            raise ValueError(
+                f"prompt ({len(request.prompt)}) + max_tokens ({limit}) exceeds the batcher's "
+                f"{self.max_seq_tokens} tokens a sequence"
+            )
         need = -(-(len(request.prompt) + limit) // self.page_tokens)
         if need > len(self.pool.refs) - 1:
-            raise ValueError(f"a request of {len(request.prompt) + limit} tokens needs {need} cache pages; the cache has {len(self.pool.refs) - 1}: raise kv_cache_tokens")
+            raise ValueError(
+                f"a request of {len(request.prompt) + limit} tokens needs {need} cache pages; "
+                f"the cache has {len(self.pool.refs) - 1}: raise kv_cache_tokens"
+            )
         stops = resolve_stops(params.stop, self.eos_token_ids)
         if stops.strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer to decode with")
@@ -391,10 +441,12 @@ class ContinuousBatcher:
         return admitted
 
     def _reserve(self, seq: _Sequence) -> bool:
-        """Pages for the whole request: shared cached ones for the prompt's leading full pages, new ones for the rest."""
+        """Pages for the whole request: cached ones shared for the prompt's leading full pages, new ones after."""
         prompt = seq.request.prompt
         shared = []
-        for digest in page_digests(prompt[:-1], self.page_tokens):  # the last prompt token is always run: its logits start the reply
+        for digest in page_digests(
+            prompt[:-1], self.page_tokens
+        ):  # the last prompt token is always run: its logits start the reply
             page = self.pool.page_of.get(digest)
             if page is None:
                 break
@@ -414,7 +466,7 @@ class ContinuousBatcher:
         return True
 
     def _prefill(self, seqs: list[_Sequence]) -> None:
-        """Encode each admitted prompt's uncached tokens (packed, in chunks of `prefill_tokens`), then sample its first token."""
+        """Encode admitted prompts' uncached tokens (packed, `prefill_tokens` a chunk); sample their first tokens."""
         batch: list[_Sequence] = []
         total = 0
         for seq in seqs:
@@ -452,13 +504,19 @@ class ContinuousBatcher:
                 # 4-D inputs: SDPA's fused kernels take nothing else (3-D ones run its slow math kernel).
                 q = q_N_H_d[start : start + n].transpose(0, 1)[None]
                 if n == length:
-                    o = torch.nn.functional.scaled_dot_product_attention(q, k[None], v[None], is_causal=True, scale=self.weights.scale, enable_gqa=True)
+                    o = torch.nn.functional.scaled_dot_product_attention(
+                        q, k[None], v[None], is_causal=True, scale=self.weights.scale, enable_gqa=True
+                    )
                 else:  # after a cached prefix: query i sees the prefix and the new tokens up to itself
                     # The masked (memory-efficient) kernel has no GQA: the KV heads are repeated for it.
                     group = q.shape[1] // k.shape[0]
                     k, v = k.repeat_interleave(group, 0)[None], v.repeat_interleave(group, 0)[None]
-                    mask = torch.arange(length, device=dev)[None] <= torch.arange(length - n, length, device=dev)[:, None]
-                    o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.weights.scale)
+                    mask = (
+                        torch.arange(length, device=dev)[None] <= torch.arange(length - n, length, device=dev)[:, None]
+                    )
+                    o = torch.nn.functional.scaled_dot_product_attention(
+                        q, k, v, attn_mask=mask, scale=self.weights.scale
+                    )
                 outs.append(o[0].transpose(0, 1).reshape(n, -1))
             return torch.cat(outs)
 
@@ -529,7 +587,9 @@ class ContinuousBatcher:
         splits = _splits(bucket * self.weights.n_kv_heads, self.max_pages_per_seq)
 
         def attend(layer: int, q_N_H_d: torch.Tensor) -> torch.Tensor:
-            return self.ops["attention"](q_N_H_d, self.k_cache[layer], self.v_cache[layer], block_tables, lengths_i32, self.weights.scale, splits)
+            return self.ops["attention"](
+                q_N_H_d, self.k_cache[layer], self.v_cache[layer], block_tables, lengths_i32, self.weights.scale, splits
+            )
 
         return self._logits(self._forward(tokens, positions, slots, attend))
 
@@ -541,10 +601,24 @@ class ContinuousBatcher:
         hidden, residual = ops["add_rmsnorm"](residual, None, w.layers[0]["ln1"], w.eps)
         for i, layer in enumerate(w.layers):
             qkv = torch.nn.functional.linear(hidden, layer["qkv"], layer.get("qkv_bias"))
-            q = ops["qk_norm_rope_store"](qkv, cos, sin, layer.get("q_norm"), layer.get("k_norm"), w.eps, self.k_cache[i], self.v_cache[i], slots_N, w.n_q_heads, w.n_kv_heads)
+            q = ops["qk_norm_rope_store"](
+                qkv,
+                cos,
+                sin,
+                layer.get("q_norm"),
+                layer.get("k_norm"),
+                w.eps,
+                self.k_cache[i],
+                self.v_cache[i],
+                slots_N,
+                w.n_q_heads,
+                w.n_kv_heads,
+            )
             attn = torch.nn.functional.linear(attend(i, q), layer["o"])
             hidden, residual = ops["add_rmsnorm"](attn, residual, layer["ln2"], w.eps)
-            mlp = torch.nn.functional.linear(ops["silu_mul"](torch.nn.functional.linear(hidden, layer["gate_up"])), layer["down"])
+            mlp = torch.nn.functional.linear(
+                ops["silu_mul"](torch.nn.functional.linear(hidden, layer["gate_up"])), layer["down"]
+            )
             next_norm = w.layers[i + 1]["ln1"] if i + 1 < len(w.layers) else w.final_norm
             hidden, residual = ops["add_rmsnorm"](mlp, residual, next_norm, w.eps)
         return hidden
@@ -609,7 +683,9 @@ class ContinuousBatcher:
             return values.numpy
         n = values.shape[1]
         if self._host_buffer is None or self._host_buffer.shape[1] < n:
-            self._host_buffer = torch.empty(values.shape[0], max(n, self.max_batch), dtype=values.dtype, pin_memory=True)
+            self._host_buffer = torch.empty(
+                values.shape[0], max(n, self.max_batch), dtype=values.dtype, pin_memory=True
+            )
         view = self._host_buffer[:, :n]
         view.copy_(values, non_blocking=True)
         event = torch.cuda.Event()
@@ -651,7 +727,9 @@ class ContinuousBatcher:
             seq.pages = []
         if seq.first_token_s is not None:
             self.first_token_s.append(seq.first_token_s - seq.submitted_s)
-        seq.future.set_result(SampledSequence(tokens=seq.tokens, logprobs=seq.logprobs, stop_reason=seq.done or "length"))
+        seq.future.set_result(
+            SampledSequence(tokens=seq.tokens, logprobs=seq.logprobs, stop_reason=seq.done or "length")
+        )
 
     def _fail(self, err: BaseException) -> None:
         with self._cond:

@@ -28,6 +28,10 @@ the stages update only between rollouts, when the sandboxes' cores are free.
 GPU knobs (`dtype`, `compile_backend`, `logprob_chunk_tokens`,
 `sdpa_backend`, `cuda_graph_sampling`, `gradient_checkpointing`) are all off
 by default; local_speed.py says what each does.
+With `continuous_batching`, every request of every sampler (`sample`,
+`sample_batch`, `request_queue`) joins the backend's one running batch
+(continuous_batching.py: paged KV cache of `kv_cache_tokens`, at most
+`max_concurrent_sequences` rows, LoRA merged once per sampler snapshot).
 
 optim_step: torch AdamW with Tinker's `AdamParams` (decoupled weight decay,
 global-norm clipping when `grad_clip_norm` > 0), hyperparameters set afresh
@@ -93,7 +97,7 @@ class LocalBackend(TrainingBackend):
         self.train_threads = train_threads
         self.continuous_batching = continuous_batching
         self._batcher_options = {"kv_cache_tokens": kv_cache_tokens, "max_batch": max_concurrent_sequences}
-        self._batcher: ContinuousBatcher | None = None  # built by the first sampler that needs it, kept across snapshots
+        self._batcher: ContinuousBatcher | None = None  # built by the first sampler needing it; kept across snapshots
         self.dtype = getattr(torch, dtype) if dtype else None
         if self.dtype is not None:  # before the move, so the device never holds the wider copy
             base_dtype = self.dtype if lora_rank > 0 else torch.float32  # under full fine-tuning every weight trains
@@ -212,7 +216,7 @@ class LocalBackend(TrainingBackend):
     # ---- sampling ----
 
     def sampler(self) -> LocalSampler:
-        if self.merge_for_sampling:
+        if self.merge_for_sampling and not self.continuous_batching:  # the batcher merges into its own buffers
             with self._lock:
                 merged = copy.deepcopy(self.model)
                 merged = merged.merge_and_unload() if isinstance(merged, PeftModel) else merged

@@ -79,7 +79,9 @@ def _rope(x_N_H_d: torch.Tensor, cos_N_d: torch.Tensor, sin_N_d: torch.Tensor) -
     return x_N_H_d * cos_N_d[:, None] + rotated * sin_N_d[:, None]
 
 
-def qk_norm_rope_store_torch(qkv_N_F, cos_N_d, sin_N_d, q_norm, k_norm, eps, k_cache, v_cache, slots_N, n_q_heads, n_kv_heads):
+def qk_norm_rope_store_torch(
+    qkv_N_F, cos_N_d, sin_N_d, q_norm, k_norm, eps, k_cache, v_cache, slots_N, n_q_heads, n_kv_heads
+):
     """q [N, Hq, d] ready for attention; k and v written into the cache at `slots_N`."""
     n, d = qkv_N_F.shape[0], cos_N_d.shape[-1]
     q, k, v = qkv_N_F.float().split([n_q_heads * d, n_kv_heads * d, n_kv_heads * d], dim=-1)
@@ -107,7 +109,9 @@ def paged_decode_attention_torch(q_N_H_d, k_cache, v_cache, block_tables, seq_le
     k = k_cache[pages].permute(0, 2, 1, 3, 4).reshape(n, k_cache.shape[1], -1, d)[:, :, :longest]
     v = v_cache[pages].permute(0, 2, 1, 3, 4).reshape(n, v_cache.shape[1], -1, d)[:, :, :longest]
     mask = (torch.arange(longest, device=q_N_H_d.device)[None] < seq_lens_N[:, None])[:, None, None]
-    out = torch.nn.functional.scaled_dot_product_attention(q_N_H_d[:, :, None].float(), k.float(), v.float(), attn_mask=mask, scale=scale, enable_gqa=True)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q_N_H_d[:, :, None].float(), k.float(), v.float(), attn_mask=mask, scale=scale, enable_gqa=True
+    )
     return out[:, :, 0].reshape(n, heads * d).to(q_N_H_d.dtype)
 
 
@@ -143,7 +147,9 @@ def sample_tokens_torch(logits_B_V, temperatures_B, seeds_B, steps_B, filtered_B
     logits_B_V = logits_B_V.float()
     draw = (filtered_B_V if filtered_B_V is not None else logits_B_V).float()
     hot = temperatures_B > 0
-    scaled = draw / torch.where(hot, temperatures_B, 1.0)[:, None] + torch.where(hot[:, None], gumbel_noise_torch(seeds_B, steps_B, draw.shape[1]), 0.0)
+    scaled = draw / torch.where(hot, temperatures_B, 1.0)[:, None] + torch.where(
+        hot[:, None], gumbel_noise_torch(seeds_B, steps_B, draw.shape[1]), 0.0
+    )
     tokens_B = scaled.argmax(dim=-1)
     logp_B = logits_B_V.gather(1, tokens_B[:, None]).squeeze(1) - torch.logsumexp(logits_B_V, dim=-1)
     return tokens_B, logp_B
@@ -155,8 +161,14 @@ def sample_tokens_torch(logits_B_V, temperatures_B, seeds_B, steps_B, filtered_B
 def _kernels():
     from tbexp.backends import paged_triton as k
 
-    return {"add_rmsnorm": k.add_rmsnorm_kernel, "qk_rope_store": k.qk_rope_store_kernel, "paged_attn": k.paged_attn_kernel,
-            "merge_splits": k.merge_splits_kernel, "silu_mul": k.silu_mul_kernel, "sample": k.sample_kernel}
+    return {
+        "add_rmsnorm": k.add_rmsnorm_kernel,
+        "qk_rope_store": k.qk_rope_store_kernel,
+        "paged_attn": k.paged_attn_kernel,
+        "merge_splits": k.merge_splits_kernel,
+        "silu_mul": k.silu_mul_kernel,
+        "sample": k.sample_kernel,
+    }
 
 
 def _pow2(n: int) -> int:
@@ -167,17 +179,43 @@ def add_rmsnorm_triton(x_N_D, residual_N_D, weight_D, eps: float):
     out = torch.empty_like(x_N_D)
     res_out = torch.empty_like(x_N_D) if residual_N_D is not None else x_N_D
     n, d = x_N_D.shape
-    _kernels()["add_rmsnorm"][(n,)](x_N_D, residual_N_D if residual_N_D is not None else x_N_D, weight_D, out, res_out, d, eps, HAS_RES=residual_N_D is not None, BLOCK_D=_pow2(d))
+    _kernels()["add_rmsnorm"][(n,)](
+        x_N_D,
+        residual_N_D if residual_N_D is not None else x_N_D,
+        weight_D,
+        out,
+        res_out,
+        d,
+        eps,
+        HAS_RES=residual_N_D is not None,
+        BLOCK_D=_pow2(d),
+    )
     return out, res_out
 
 
-def qk_norm_rope_store_triton(qkv_N_F, cos_N_d, sin_N_d, q_norm, k_norm, eps, k_cache, v_cache, slots_N, n_q_heads, n_kv_heads):
+def qk_norm_rope_store_triton(
+    qkv_N_F, cos_N_d, sin_N_d, q_norm, k_norm, eps, k_cache, v_cache, slots_N, n_q_heads, n_kv_heads
+):
     n, d = qkv_N_F.shape[0], cos_N_d.shape[-1]
     q = torch.empty(n, n_q_heads, d, dtype=qkv_N_F.dtype, device=qkv_N_F.device)
     has_norm = q_norm is not None
     _kernels()["qk_rope_store"][(n, n_q_heads + n_kv_heads)](
-        qkv_N_F, cos_N_d, sin_N_d, q_norm if has_norm else cos_N_d, k_norm if has_norm else cos_N_d, q, k_cache, v_cache, slots_N, eps,
-        HQ=n_q_heads, HKV=n_kv_heads, HEAD_D=d, PAGE=k_cache.shape[2], HAS_NORM=has_norm)
+        qkv_N_F,
+        cos_N_d,
+        sin_N_d,
+        q_norm if has_norm else cos_N_d,
+        k_norm if has_norm else cos_N_d,
+        q,
+        k_cache,
+        v_cache,
+        slots_N,
+        eps,
+        HQ=n_q_heads,
+        HKV=n_kv_heads,
+        HEAD_D=d,
+        PAGE=k_cache.shape[2],
+        HAS_NORM=has_norm,
+    )
     return q
 
 
@@ -188,8 +226,24 @@ def paged_decode_attention_triton(q_N_H_d, k_cache, v_cache, block_tables, seq_l
     acc = torch.empty(n, heads, splits, d, dtype=torch.float32, device=q_N_H_d.device)
     ml = torch.empty(n, heads, splits, 2, dtype=torch.float32, device=q_N_H_d.device)
     kernels = _kernels()
-    kernels["paged_attn"][(n, kv_heads, splits)](q_N_H_d, k_cache, v_cache, block_tables, seq_lens_N, acc, ml, scale, block_tables.stride(0), splits,
-                                                 HQ=heads, HKV=kv_heads, GROUP=group, GROUP_PAD=max(16, _pow2(group)), HEAD_D=d, PAGE=k_cache.shape[2])
+    kernels["paged_attn"][(n, kv_heads, splits)](
+        q_N_H_d,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens_N,
+        acc,
+        ml,
+        scale,
+        block_tables.stride(0),
+        splits,
+        HQ=heads,
+        HKV=kv_heads,
+        GROUP=group,
+        GROUP_PAD=max(16, _pow2(group)),
+        HEAD_D=d,
+        PAGE=k_cache.shape[2],
+    )
     out = torch.empty(n, heads * d, dtype=q_N_H_d.dtype, device=q_N_H_d.device)
     kernels["merge_splits"][(n * heads,)](acc, ml, out, splits, SPLITS_PAD=_pow2(splits), HEAD_D=d)
     return out
@@ -209,11 +263,25 @@ def sample_tokens_triton(logits_B_V, temperatures_B, seeds_B, steps_B, filtered_
     b, v = logits_B_V.shape
     tokens = torch.empty(b, dtype=torch.long, device=logits_B_V.device)
     logp = torch.empty(b, dtype=torch.float32, device=logits_B_V.device)
-    _kernels()["sample"][(b,)](logits_B_V.contiguous(), temperatures_B.float().contiguous(), seeds_B, steps_B, tokens, logp, v, BLOCK_V=4096)
+    _kernels()["sample"][(b,)](
+        logits_B_V.contiguous(), temperatures_B.float().contiguous(), seeds_B, steps_B, tokens, logp, v, BLOCK_V=4096
+    )
     return tokens, logp
 
 
 OPS = {
-    "torch": {"add_rmsnorm": add_rmsnorm_torch, "qk_norm_rope_store": qk_norm_rope_store_torch, "attention": paged_decode_attention_torch, "silu_mul": silu_mul_torch, "sample": sample_tokens_torch},
-    "triton": {"add_rmsnorm": add_rmsnorm_triton, "qk_norm_rope_store": qk_norm_rope_store_triton, "attention": paged_decode_attention_triton, "silu_mul": silu_mul_triton, "sample": sample_tokens_triton},
+    "torch": {
+        "add_rmsnorm": add_rmsnorm_torch,
+        "qk_norm_rope_store": qk_norm_rope_store_torch,
+        "attention": paged_decode_attention_torch,
+        "silu_mul": silu_mul_torch,
+        "sample": sample_tokens_torch,
+    },
+    "triton": {
+        "add_rmsnorm": add_rmsnorm_triton,
+        "qk_norm_rope_store": qk_norm_rope_store_triton,
+        "attention": paged_decode_attention_triton,
+        "silu_mul": silu_mul_triton,
+        "sample": sample_tokens_triton,
+    },
 }

@@ -9,7 +9,9 @@ import triton.language as tl
 
 
 @triton.jit
-def add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, D, eps, HAS_RES: tl.constexpr, BLOCK_D: tl.constexpr):
+def add_rmsnorm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, D, eps, HAS_RES: tl.constexpr, BLOCK_D: tl.constexpr
+):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_D)
     mask = offs < D
@@ -22,9 +24,25 @@ def add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, D, eps, HAS_
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * D + offs, (xf * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
 
+
 @triton.jit
-def qk_rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, q_out_ptr, kc_ptr, vc_ptr, slots_ptr, eps,
-                         HQ: tl.constexpr, HKV: tl.constexpr, HEAD_D: tl.constexpr, PAGE: tl.constexpr, HAS_NORM: tl.constexpr):
+def qk_rope_store_kernel(
+    qkv_ptr,
+    cos_ptr,
+    sin_ptr,
+    qn_ptr,
+    kn_ptr,
+    q_out_ptr,
+    kc_ptr,
+    vc_ptr,
+    slots_ptr,
+    eps,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    HEAD_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):
     n = tl.program_id(0)
     h = tl.program_id(1)
     half = tl.arange(0, HEAD_D // 2)
@@ -58,9 +76,26 @@ def qk_rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, q_out_ptr, k
         v = tl.load(qkv_ptr + n * (HQ + 2 * HKV) * HEAD_D + (HQ + HKV + kh) * HEAD_D + full)
         tl.store(vc_ptr + dst + full, v.to(vc_ptr.dtype.element_ty))
 
+
 @triton.jit
-def paged_attn_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, acc_ptr, ml_ptr, scale, bt_stride, SPLITS,
-                      HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_D: tl.constexpr, PAGE: tl.constexpr):
+def paged_attn_kernel(
+    q_ptr,
+    kc_ptr,
+    vc_ptr,
+    bt_ptr,
+    lens_ptr,
+    acc_ptr,
+    ml_ptr,
+    scale,
+    bt_stride,
+    SPLITS,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_D: tl.constexpr,
+    PAGE: tl.constexpr,
+):
     n = tl.program_id(0)
     kh = tl.program_id(1)
     split = tl.program_id(2)
@@ -96,6 +131,7 @@ def paged_attn_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, acc_ptr, ml_ptr, 
     tl.store(ml_ptr + part * 2, m, mask=keep)
     tl.store(ml_ptr + part * 2 + 1, l, mask=keep)
 
+
 @triton.jit
 def merge_splits_kernel(acc_ptr, ml_ptr, out_ptr, SPLITS, SPLITS_PAD: tl.constexpr, HEAD_D: tl.constexpr):
     nh = tl.program_id(0)  # row * HQ + head
@@ -110,6 +146,7 @@ def merge_splits_kernel(acc_ptr, ml_ptr, out_ptr, SPLITS, SPLITS_PAD: tl.constex
     out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
     tl.store(out_ptr + nh * HEAD_D + d, out.to(out_ptr.dtype.element_ty))
 
+
 @triton.jit
 def silu_mul_kernel(gu_ptr, out_ptr, INTER, BLOCK: tl.constexpr):
     n = tl.program_id(0)
@@ -119,6 +156,7 @@ def silu_mul_kernel(gu_ptr, out_ptr, INTER, BLOCK: tl.constexpr):
     up = tl.load(gu_ptr + n * 2 * INTER + INTER + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + n * INTER + offs, (gate / (1.0 + tl.exp(-gate)) * up).to(out_ptr.dtype.element_ty), mask=mask)
 
+
 @triton.jit
 def mix(x):
     x = x ^ (x >> 16)
@@ -126,6 +164,7 @@ def mix(x):
     x = x ^ (x >> 15)
     x = x * 0x846CA68B
     return x ^ (x >> 16)
+
 
 @triton.jit
 def sample_kernel(logits_ptr, temp_ptr, seed_ptr, step_ptr, tok_ptr, logp_ptr, V, BLOCK_V: tl.constexpr):
