@@ -43,9 +43,8 @@ def tiny_model(kind: str, seed: int = 0):
         )
 
 
-def trained_backend(tmp_path, kind: str = "qwen3", **kw) -> LocalBackend:
-    """A LoRA backend one SGD step away from its base, so the LoRA deltas are not zero and must be merged right."""
-    b = LocalBackend(
+def lora_backend(save_dir, kind: str = "qwen3", **kw) -> LocalBackend:
+    return LocalBackend(
         tiny_model(kind),
         char_tokenizer(),
         lora_rank=4,
@@ -53,10 +52,14 @@ def trained_backend(tmp_path, kind: str = "qwen3", **kw) -> LocalBackend:
         lora_dropout=0.0,
         lora_targets=TARGETS,
         device="cpu",
-        save_dir=tmp_path / "states",
-        merge_for_sampling=False,
+        save_dir=save_dir,
         **kw,
     )
+
+
+def trained_backend(tmp_path, kind: str = "qwen3", **kw) -> LocalBackend:
+    """A LoRA backend one SGD step away from its base, so the LoRA deltas are not zero and must be merged right."""
+    b = lora_backend(tmp_path / "states", kind, merge_for_sampling=False, **kw)
     b.forward_backward([sft_datum(random_tokens(20, 1)), sft_datum(random_tokens(15, 2))], "cross_entropy").result()
     b.optim_step(sgd(0.5)).result()
     return b
@@ -100,17 +103,7 @@ def test_logprobs_match_a_teacher_forced_pass_with_the_lora_weights(tmp_path):
     for r, got in zip(reqs := requests(4), sampler.sample_batch(requests(4))):
         forced = sampler.compute_logprobs(types.ModelInput.from_ints(r.prompt + got.tokens)).result()[len(r.prompt) :]
         assert got.logprobs == pytest.approx(forced, abs=1e-4)
-    base = LocalBackend(
-        tiny_model("qwen3"),
-        char_tokenizer(),
-        lora_rank=4,
-        lora_alpha=8.0,
-        lora_dropout=0.0,
-        lora_targets=TARGETS,
-        device="cpu",
-        save_dir=tmp_path / "base",
-        merge_for_sampling=False,
-    )
+    base = lora_backend(tmp_path / "base", "qwen3", merge_for_sampling=False)
     r, got = reqs[1], sampler.sample_batch([reqs[1]])[0]
     untrained = (
         base.sampler().compute_logprobs(types.ModelInput.from_ints(r.prompt + got.tokens)).result()[len(r.prompt) :]
@@ -303,29 +296,10 @@ def test_model_policy_episodes_submit_to_the_running_batch_only_when_asked(tmp_p
     r = requests(1)[0]
     assert not isinstance(runtime.queue, BatchQueue) and runtime.queue.submit(r).tokens == alone(b, r).tokens
     assert b._batcher.stats["decode_steps"] > 0  # it went through the batcher
-    off = LocalBackend(
-        tiny_model("qwen3"),
-        char_tokenizer(),
-        lora_rank=4,
-        lora_alpha=8.0,
-        lora_dropout=0.0,
-        lora_targets=TARGETS,
-        device="cpu",
-        save_dir=tmp_path / "off",
-    )
+    off = lora_backend(tmp_path / "off", "qwen3")
     assert (
         isinstance(ModelRuntime(off.sampler(), renderer=None, params=None).queue, BatchQueue) and off._batcher is None
     )
     # A small model on a CPU merges a private copy per sampler by default; the batcher merges into its own buffers.
-    on = LocalBackend(
-        tiny_model("qwen3"),
-        char_tokenizer(),
-        lora_rank=4,
-        lora_alpha=8.0,
-        lora_dropout=0.0,
-        lora_targets=TARGETS,
-        device="cpu",
-        save_dir=tmp_path / "on",
-        continuous_batching=True,
-    )
+    on = lora_backend(tmp_path / "on", "qwen3", continuous_batching=True)
     assert off.sampler()._merged is not None and on.sampler()._merged is None
