@@ -1,4 +1,4 @@
-"""GPU benchmark of the local backend (issue 6): LoRA SFT against TRL, sampling against `generate`, loss memory.
+"""GPU benchmark of the local backend (issues 6, 20): LoRA SFT against TRL, sampling, continuous batching, loss memory.
 
     python scripts/bench_gpu.py                  # on one H200: Qwen3-1.7B shape, random weights, 4 × 4096 tokens
     python scripts/bench_gpu.py --tiny           # a tiny shape on CPU, to check the script itself
@@ -23,6 +23,19 @@ head), 6·N_lora, and causal attention forward + backward (3 × 2·S·d·L per
 token); recomputation (checkpointing, the chunked head) is not counted. It is
 reported against the H200's datasheet dense bf16 peak, 989 TFLOP/s, and
 against an 8192³ bf16 matmul measured in the same run.
+
+Continuous batching (`cb-*`, docs/gpu-sampling.md): N concurrent requests with
+distinct prompts of `cb_prompt` tokens, `cb_new` new tokens each (temperature
+0.7, a stop string checked every step), submitted at once to a
+`continuous_batching=True` backend after a short warm-up run that captures the
+bucket's CUDA graph. tokens/s counts new tokens over the whole call (prefill
+included); decode tokens/s leaves out the time to the last first token. The
+bound is one decode step reading the decode weights and the batch's KV cache at
+its mean context once, at 4.8 TB/s (datasheet) and at the copy bandwidth
+measured in the `env` row. `grpo-step-*`: one GRPO step end to end (sample
+`grpo_groups` × `grpo_group_size` replies, an importance-sampling
+forward_backward over them, optim_step), sampling with the CUDA-graph sampler
+one group at a time (before) or all at once through continuous batching (after).
 """
 
 from __future__ import annotations
@@ -64,6 +77,16 @@ MEASUREMENTS = {
     "varlen-padded": ("varlen", {}),
     "varlen-packed": ("varlen", {"packing": True}),
     "varlen-packed-fast": ("varlen", {"packing": True, **FAST}),
+    "kernels-check": ("kernels_check", {}),
+    "cb-16": ("sample_continuous", {"concurrent": 16}),
+    "cb-64": ("sample_continuous", {"concurrent": 64}),
+    "cb-256": ("sample_continuous", {"concurrent": 256}),
+    "grpo-step-before": ("grpo_step", {"continuous": False}),
+    "grpo-step-after": ("grpo_step", {"continuous": True}),
+    "cb-64-nostop": ("sample_continuous", {"concurrent": 64, "stop": False}),
+    "cb-64-page16": ("sample_continuous", {"concurrent": 64, "page_tokens": 16}),
+    "cb-64-page64": ("sample_continuous", {"concurrent": 64, "page_tokens": 64}),
+    "cb-64-torch-kernels": ("sample_continuous", {"concurrent": 64, "kernels": "torch"}),
     "sft-trl-ckpt": ("sft_trl", {"gradient_checkpointing": True}),
     "sft-tbexp-fast-ckpt": ("sft_tbexp", {**FAST, "gradient_checkpointing": True}),
 }
@@ -100,6 +123,8 @@ def main() -> None:
         if proc.returncode and "error" not in result:
             result["error"] = f"exit {proc.returncode}"
         results.append(result)
+        if "copy_tb_per_s" in result:  # the decode bound of the cb-* rows at the bandwidth measured here
+            os.environ["BENCH_COPY_TB_PER_S"] = str(result["copy_tb_per_s"])
         print(json.dumps(result), flush=True)
         if args.out:
             with open(args.out, "a") as f:
@@ -114,6 +139,7 @@ def full_shape() -> dict:
         "samples": 16, "new_tokens": 512, "prompt": 256,
         "loss_positions": 32768, "loss_vocab": 201088, "loss_hidden": 2880,  # gpt-oss-20b's vocabulary and width
         "varlen_lengths": [4096, 3500, 3000, 2600, 2200, 1800, 1500, 1200, 1000, 800, 600, 500, 400, 300, 200, 100],
+        "cb_prompt": 1024, "cb_new": 512, "grpo_groups": 4, "grpo_group_size": 16,
     }
 
 
@@ -124,6 +150,7 @@ def tiny_shape() -> dict:
         "samples": 4, "new_tokens": 16, "prompt": 8,
         "loss_positions": 512, "loss_vocab": 5000, "loss_hidden": 64,
         "varlen_lengths": [64, 50, 30, 10],
+        "cb_prompt": 24, "cb_new": 8, "grpo_groups": 2, "grpo_group_size": 3,
     }
 
 
@@ -221,6 +248,16 @@ def _env(shape: dict) -> dict:
             a @ b
         torch.cuda.synchronize()
         info["matmul_bf16_tflops"] = round(20 * 2 * 8192**3 / (time.perf_counter() - start) / 1e12, 1)
+        src = torch.empty(2**31, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+        for _ in range(3):
+            dst.copy_(src)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(20):
+            dst.copy_(src)
+        torch.cuda.synchronize()
+        info["copy_tb_per_s"] = round(20 * 2 * src.numel() / (time.perf_counter() - start) / 1e12, 2)  # bytes read + written
     return info
 
 
@@ -456,14 +493,154 @@ def _padded_tokens(lengths: list[int], budget: int) -> int:
     return sum(len(batch) * lengths[batch[0]] for batch in batches)
 
 
+def _kernels_check(shape: dict) -> dict:
+    """scripts/check_paged_kernels.py on this device (on CPU it needs TRITON_INTERPRET=1, which --tiny sets)."""
+    env = {**os.environ, **({"TRITON_INTERPRET": "1"} if shape["device"] == "cpu" else {})}
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "check_paged_kernels.py"), shape["device"]], capture_output=True, text=True, env=env)
+    lines = proc.stdout.strip().splitlines()
+    return {"ok": proc.returncode == 0, "checks": lines, **({"stderr": proc.stderr.strip().splitlines()[-5:]} if proc.returncode else {})}
+
+
+def _cb_requests(shape: dict, n: int, max_tokens: int, prompts: list[list[int]] | None = None):
+    from tinker import types
+
+    from tbexp.backends.batch_sampling import Request
+
+    g = torch.Generator().manual_seed(2)
+    prompts = prompts or [torch.randint(2, shape["model"]["vocab_size"], (shape["cb_prompt"],), generator=g).tolist() for _ in range(n)]
+    return [Request(p, types.SamplingParams(max_tokens=max_tokens, temperature=0.7, top_p=1.0, seed=i, stop=["</cmd>"])) for i, p in enumerate(prompts)]
+
+
+def _decode_bound(engine, concurrent: int, mean_context: float, bandwidth: float) -> float:
+    """Tokens/s if each decode step only read the decode weights and the batch's KV cache once at `bandwidth`."""
+    w = engine.weights
+    weight_bytes = sum(t.numel() * t.element_size() for layer in w.layers for t in layer.values()) + w.head.numel() * w.head.element_size()
+    kv_bytes = concurrent * mean_context * 2 * w.n_layers * w.n_kv_heads * w.head_dim * w.embed.element_size()
+    return concurrent / ((weight_bytes + kv_bytes) / bandwidth)
+
+
+def _sample_continuous(shape: dict, concurrent: int, kernels: str = "auto", stop: bool = True, page_tokens: int = 0) -> dict:
+    from tinker import types
+
+    b = _backend(shape, _model(shape), continuous_batching=True, max_concurrent_sequences=max(16, concurrent))
+    sampler = b.sampler()
+    if kernels != "auto" or page_tokens:  # before the first request builds it
+        from tbexp.backends.continuous_batching import ContinuousBatcher
+
+        with sampler._model() as (_, lm):
+            b._batcher = ContinuousBatcher(lm, b.tokenizer, b.eos_token_ids, snapshot=sampler, kernels=kernels, page_tokens=page_tokens, max_batch=max(16, concurrent))
+    engine = b._continuous_batcher(sampler)
+    warm = [r.prompt[::-1] for r in _cb_requests(shape, concurrent, 4)]  # other prompts: nothing cached for the measured run
+    sampler.sample_batch(_cb_requests(shape, concurrent, 4, warm))  # captures this bucket's graph, compiles the kernels
+    merge_s = [_timed(lambda: sampler._load_into(engine), shape) for _ in range(3)]
+    requests = _cb_requests(shape, concurrent, shape["cb_new"])
+    if not stop:  # no stop string to decode and check each step: what the host's share of a step is
+        requests = [r.__class__(r.prompt, r.params.model_copy(update={"stop": []})) for r in requests]
+    if shape["device"] == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    engine.first_token_s.clear()
+    steps_before = engine.stats["decode_steps"]
+    decode_before = (engine.stats["decode_s"], engine.stats["device_wait_s"], engine.stats["prefill_s"])
+    _sync(shape)
+    start = time.perf_counter()
+    seqs = sampler.sample_batch(requests)
+    elapsed = time.perf_counter() - start
+    steps = engine.stats["decode_steps"] - steps_before
+    host_s = (engine.stats["decode_s"] - decode_before[0]) - (engine.stats["device_wait_s"] - decode_before[1])
+    n = sum(len(s.tokens) for s in seqs)
+    ttft = sorted(engine.first_token_s)
+    decode_s = elapsed - ttft[-1]
+    decode_tokens_per_s = (n - len(seqs)) / decode_s
+    mean_context = shape["cb_prompt"] + shape["cb_new"] / 2
+    bandwidth = {"4.8": 4.8e12, **({"copy": float(os.environ["BENCH_COPY_TB_PER_S"]) * 1e12} if os.environ.get("BENCH_COPY_TB_PER_S") else {})}
+    bounds = {k: _decode_bound(engine, concurrent, mean_context, v) for k, v in bandwidth.items()}
+    # Alone vs in the batch: a few requests again, one at a time, with nothing cached (the weights are reloaded).
+    sampler._load_into(engine)
+    agree, prefix_logp = [], []
+    for r, s in list(zip(requests, seqs))[:4]:
+        solo = sampler.sample_batch([r])[0]
+        same = next((i for i, (a, c) in enumerate(zip(solo.tokens, s.tokens)) if a != c), min(len(solo.tokens), len(s.tokens)))
+        agree.append(same / max(1, len(s.tokens)))
+        prefix_logp.append(max((abs(a - c) for a, c in zip(solo.logprobs[:same], s.logprobs[:same])), default=0.0))
+        sampler._load_into(engine)
+    forced = sampler.compute_logprobs(types.ModelInput.from_ints(requests[-1].prompt + seqs[-1].tokens)).result()[len(requests[-1].prompt) :]
+    diff = torch.tensor(forced) - torch.tensor(seqs[-1].logprobs)
+    return {
+        "concurrent": concurrent, "kernels": engine.kernels, "tokens_per_s": round(n / elapsed, 1), "decode_tokens_per_s": round(decode_tokens_per_s, 1),
+        "new_tokens": n, "s": round(elapsed, 2), "ms_per_step": round(decode_s / max(1, steps) * 1e3, 3), "host_ms_per_step": round(host_s / max(1, steps) * 1e3, 3), "prefill_s": round(engine.stats["prefill_s"] - decode_before[2], 3), "stop": stop,
+        "ttft_median_s": round(ttft[len(ttft) // 2], 3), "ttft_max_s": round(ttft[-1], 3),
+        **{f"bound_tokens_per_s_at_{k}": round(v) for k, v in bounds.items()}, **{f"fraction_of_bound_at_{k}": round(decode_tokens_per_s / v, 3) for k, v in bounds.items()},
+        "weight_merge_ms": [round(x * 1e3, 1) for x in merge_s], "page_tokens": engine.page_tokens, "kv_cache_tokens": (len(engine.pool.refs) - 1) * engine.page_tokens,
+        "peak_gib": _peak_gib(shape), "alone_vs_batch_token_agreement": [round(a, 3) for a in agree], "alone_vs_batch_logp_max_abs_before_divergence": round(max(prefix_logp), 4),
+        "logprob_vs_teacher_forced_max_abs": round(float(diff.abs().max()), 4), "mean_abs": round(float(diff.abs().mean()), 4), "graph_captures": engine.stats["graph_captures"],
+    }
+
+
+def _timed(fn, shape: dict) -> float:
+    _sync(shape)
+    start = time.perf_counter()
+    fn()
+    _sync(shape)
+    return time.perf_counter() - start
+
+
+def _grpo_step(shape: dict, continuous: bool) -> dict:
+    """One GRPO step: sample the groups, one importance-sampling forward_backward over every reply, optim_step."""
+    from tinker import types
+
+    knobs = {"continuous_batching": True} if continuous else {"cuda_graph_sampling": shape["device"] == "cuda"}
+    b = _backend(shape, _model(shape), packing=True, microbatch_tokens=16384 if shape["device"] == "cuda" else 256, logprob_chunk_tokens=4096 if shape["device"] == "cuda" else None, max_concurrent_sequences=64, **knobs)
+    groups, size = shape["grpo_groups"], shape["grpo_group_size"]
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, shape["model"]["vocab_size"], (shape["cb_prompt"],), generator=g).tolist() for _ in range(groups)]
+    adam = types.AdamParams(learning_rate=1e-5)
+
+    def step(max_tokens: int) -> dict:
+        start = time.perf_counter()
+        sampler = b.sampler()  # new weights each step: the continuous batcher merges them once here
+        params = types.SamplingParams(max_tokens=max_tokens, temperature=0.7, top_p=1.0, seed=0, stop=["</cmd>"])
+        if continuous:
+            flat = sampler.sample_batch([r for p in prompts for r in _cb_requests(shape, size, max_tokens, [p] * size)])
+            replies = [flat[i * size : (i + 1) * size] for i in range(groups)]
+        else:
+            replies = [sampler.sample(types.ModelInput.from_ints(p), size, params).result() for p in prompts]
+        _sync(shape)
+        sampled = time.perf_counter()
+        data = []
+        for prompt, group in zip(prompts, replies):
+            rewards = torch.randn(len(group), generator=g)
+            advantages = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
+            for seq, adv in zip(group, advantages.tolist()):
+                tokens = prompt + seq.tokens
+                pad = [0.0] * (len(prompt) - 1)
+                data.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={"target_tokens": tokens[1:], "logprobs": pad + seq.logprobs, "advantages": pad + [adv] * len(seq.tokens)}))
+        b.forward_backward(data, "importance_sampling").result()
+        b.optim_step(adam).result()
+        _sync(shape)
+        done = time.perf_counter()
+        n = sum(len(s.tokens) for group in replies for s in group)
+        return {"sample_s": round(sampled - start, 2), "train_s": round(done - sampled, 2), "step_s": round(done - start, 2), "sampling_share": round((sampled - start) / (done - start), 3), "sampled_tokens": n, "sampling_tokens_per_s": round(n / (sampled - start), 1)}
+
+    step(8)  # warm-up: graphs, kernels, allocator
+    if shape["device"] == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    result = step(shape["cb_new"])
+    extra = {"cached_prompt_tokens": b._batcher.stats["cached_prompt_tokens"], "prefill_tokens": b._batcher.stats["prefill_tokens"]} if continuous else {}
+    return {"continuous": continuous, "episodes": groups * size, **result, "peak_gib": _peak_gib(shape), **extra}
+
+
 def _table(results: list[dict]) -> None:
     print("\n| measurement | figure | peak GiB | notes |\n|---|---|---|---|")
     for r in results:
         if "error" in r or "oom" in r:
             print(f"| {r['name']} | failed | | {r.get('error') or r.get('oom')} |")
+        elif "concurrent" in r:
+            print(f"| {r['name']} | {r['tokens_per_s']:,} tokens/s ({r['decode_tokens_per_s']:,} decoding) | {r['peak_gib']} | {r['ms_per_step']} ms/step, TTFT median {r['ttft_median_s']} s, {r['fraction_of_bound_at_4.8']:.0%} of the 4.8 TB/s bound |")
         elif "tokens_per_s" in r:
             extra = f"MFU {r['mfu_vs_989']:.1%} of 989 TFLOP/s, {r['s_per_step']} s/step" if "mfu_vs_989" in r else f"{r['ms_per_step']} ms/step"
             print(f"| {r['name']} | {r['tokens_per_s']:,} tokens/s | {r['peak_gib']} | {extra} |")
+        elif "sampling_share" in r:
+            print(f"| {r['name']} | {r['step_s']} s/step | {r['peak_gib']} | sampling {r['sample_s']} s ({r['sampling_share']:.0%}), training {r['train_s']} s |")
         elif "real_tokens_per_s" in r:
             print(f"| {r['name']} | {r['real_tokens_per_s']:,} real tokens/s | {r['peak_gib']} | {r['s_per_step']} s/step |")
         elif "peak_above_inputs_gib" in r:

@@ -42,6 +42,7 @@ def make_backend(cfg: Any, save_dir: Path, logit_scale_lr_factor: float = 0.0) -
         logit_scale=m.logit_scale, logit_scale_lr_factor=logit_scale_lr_factor,
         device=device, seed=cfg.seed, save_dir=save_dir, microbatch_tokens=b.microbatch_tokens, gradient_checkpointing=b.gradient_checkpointing, packing=b.packing,
         dtype=b.dtype or None, compile_backend=b.compile or None, cuda_graph_sampling=b.cuda_graph_sampling, train_threads=b.train_threads or None,
+        continuous_batching=b.continuous_batching, kv_cache_tokens=b.kv_cache_tokens,
     )
 
 

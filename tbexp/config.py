@@ -150,6 +150,8 @@ class BackendConfig:
     gradient_checkpointing: bool = False
     microbatch_tokens: int = 8192  # padded (or packed) tokens per forward pass
     cuda_graph_sampling: bool = False  # replay one CUDA graph per sampled token
+    continuous_batching: bool = False  # requests share one running batch, paged KV cache (docs/gpu-sampling.md)
+    kv_cache_tokens: int = 0  # continuous_batching: cache tokens; 0 = 40% of free GPU memory (64k on CPU)
 
 
 @dataclass

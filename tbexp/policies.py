@@ -78,7 +78,9 @@ class ModelRuntime:
     queue: Any = None  # a sampler that answers many prompts at once gets its concurrent requests batched
 
     def __post_init__(self):
-        if self.queue is None and hasattr(self.sampler, "sample_batch"):
+        if self.queue is None and hasattr(self.sampler, "request_queue"):  # the local sampler: batched or continuous
+            self.queue = self.sampler.request_queue()
+        elif self.queue is None and hasattr(self.sampler, "sample_batch"):
             from tbexp.backends.batch_sampling import BatchQueue
 
             self.queue = BatchQueue(self.sampler.sample_batch)

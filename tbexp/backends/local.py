@@ -28,6 +28,10 @@ the stages update only between rollouts, when the sandboxes' cores are free.
 GPU knobs (`dtype`, `compile_backend`, `logprob_chunk_tokens`,
 `sdpa_backend`, `cuda_graph_sampling`, `gradient_checkpointing`) are all off
 by default; local_speed.py says what each does.
+With `continuous_batching`, every request of every sampler (`sample`,
+`sample_batch`, `request_queue`) joins the backend's one running batch
+(continuous_batching.py: paged KV cache of `kv_cache_tokens`, at most
+`max_concurrent_sequences` rows, LoRA merged once per sampler snapshot).
 
 optim_step: torch AdamW with Tinker's `AdamParams` (decoupled weight decay,
 global-norm clipping when `grad_clip_norm` > 0), hyperparameters set afresh
@@ -66,7 +70,8 @@ from safetensors.torch import load_file, save_file
 from tinker import types
 
 from tbexp.backends.base import LOSSES, Done, ForwardBackwardResult, Future, Sampler, SampledSequence, TrainingBackend
-from tbexp.backends.batch_sampling import Request, sample_batch
+from tbexp.backends.batch_sampling import BatchQueue, Request, sample_batch
+from tbexp.backends.continuous_batching import SEED_STRIDE, ContinuousBatcher
 from tbexp.backends.local_speed import PACKED_ATTENTION, _attention_implementation, _cast_weights, _compile_layers, _enable_checkpointing, _register_packed_attention, _sdpa_first
 from tbexp.backends.logit_scale import add_logit_scale, is_logit_scale
 from tbexp.backends.logprobs import target_logprobs
@@ -76,7 +81,7 @@ RL_INPUTS = ("target_tokens", "logprobs", "advantages")
 
 
 class LocalBackend(TrainingBackend):
-    def __init__(self, model, tokenizer, *, lora_rank: int, lora_alpha: float, lora_dropout: float, lora_targets: list[str], lora_target_parameters: list[str] | None = None, logit_scale: bool = False, logit_scale_lr_factor: float = 0.0, merge_for_sampling: bool | None = None, device: str = "auto", seed: int = 0, save_dir: str | Path, microbatch_tokens: int = 8192, gradient_checkpointing: bool = False, packing: bool = False, dtype: str | None = None, compile_backend: str | None = None, logprob_chunk_tokens: int | None = None, sdpa_backend: str | None = None, cuda_graph_sampling: bool = False, train_threads: int | None = None):
+    def __init__(self, model, tokenizer, *, lora_rank: int, lora_alpha: float, lora_dropout: float, lora_targets: list[str], lora_target_parameters: list[str] | None = None, logit_scale: bool = False, logit_scale_lr_factor: float = 0.0, merge_for_sampling: bool | None = None, device: str = "auto", seed: int = 0, save_dir: str | Path, microbatch_tokens: int = 8192, gradient_checkpointing: bool = False, packing: bool = False, dtype: str | None = None, compile_backend: str | None = None, logprob_chunk_tokens: int | None = None, sdpa_backend: str | None = None, cuda_graph_sampling: bool = False, train_threads: int | None = None, continuous_batching: bool = False, kv_cache_tokens: int = 0, max_concurrent_sequences: int = 256):
         _check_plain_lm_head(model.config)
         self.tokenizer = tokenizer
         self.device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto" else device)
@@ -90,6 +95,9 @@ class LocalBackend(TrainingBackend):
         self.compile_backend, self.logprob_chunk_tokens, self.sdpa_backend = compile_backend, logprob_chunk_tokens, sdpa_backend
         self.cuda_graph_sampling = cuda_graph_sampling
         self.train_threads = train_threads
+        self.continuous_batching = continuous_batching
+        self._batcher_options = {"kv_cache_tokens": kv_cache_tokens, "max_batch": max_concurrent_sequences}
+        self._batcher: ContinuousBatcher | None = None  # built by the first sampler needing it; kept across snapshots
         self.dtype = getattr(torch, dtype) if dtype else None
         if self.dtype is not None:  # before the move, so the device never holds the wider copy
             base_dtype = self.dtype if lora_rank > 0 else torch.float32  # under full fine-tuning every weight trains
@@ -208,7 +216,7 @@ class LocalBackend(TrainingBackend):
     # ---- sampling ----
 
     def sampler(self) -> LocalSampler:
-        if self.merge_for_sampling:
+        if self.merge_for_sampling and not self.continuous_batching:  # the batcher merges into its own buffers
             with self._lock:
                 merged = copy.deepcopy(self.model)
                 merged = merged.merge_and_unload() if isinstance(merged, PeftModel) else merged
@@ -217,6 +225,14 @@ class LocalBackend(TrainingBackend):
         with self._lock:
             self._live_samplers.add(sampler)
         return sampler
+
+    def _continuous_batcher(self, sampler: LocalSampler) -> ContinuousBatcher:
+        """The backend's one running batch, built from `sampler`'s weights the first time."""
+        with self._lock:
+            if self._batcher is None:
+                with sampler._model() as (_, lm):
+                    self._batcher = ContinuousBatcher(lm, self.tokenizer, self.eos_token_ids, snapshot=sampler, **self._batcher_options)
+            return self._batcher
 
     def _detach_samplers(self) -> None:
         """Give every sampler that still reads the live weights its own copy, before they change."""
@@ -330,6 +346,9 @@ class LocalSampler(Sampler):
 
     def sample(self, prompt: types.ModelInput, num_samples: int, params: types.SamplingParams) -> Future[list[SampledSequence]]:
         b = self._backend
+        if b.continuous_batching:
+            seeds = None if params.seed is None else [(params.seed + i * SEED_STRIDE) % 2**63 for i in range(num_samples)]
+            return Done(self._continuous([Request(prompt.to_ints(), params)] * num_samples, seeds))
         with self._model() as (model, lm):
             context = getattr(lm.config, "max_position_embeddings", None)
             return Done(sample_sequences(model, b.tokenizer, prompt.to_ints(), num_samples, params, b.eos_token_ids, context, static_decode=b.cuda_graph_sampling and self._merged is None))
@@ -345,8 +364,30 @@ class LocalSampler(Sampler):
     def sample_batch(self, requests: list[Request]) -> list[SampledSequence]:
         """One reply per request, all in one batched decode (see batch_sampling.py)."""
         b = self._backend
+        if b.continuous_batching:
+            return self._continuous(requests)
         with self._model() as (model, _):
             return sample_batch(model, b.tokenizer, requests, b.eos_token_ids)
+
+    def request_queue(self):
+        """What concurrent episodes submit their requests to: the running batch, or a queue of `sample_batch` calls."""
+        return _ContinuousQueue(self) if self._backend.continuous_batching else BatchQueue(self.sample_batch)
+
+    def _continuous(self, requests: list[Request], seeds: list[int] | None = None) -> list[SampledSequence]:
+        """Answers from the backend's running batch (continuous_batching.py), with this snapshot's weights."""
+        return self._backend._continuous_batcher(self).submit_all(requests, snapshot=self, load=self._load_into, seeds=seeds)
+
+    def _load_into(self, batcher: ContinuousBatcher) -> None:
+        with self._model() as (_, lm):
+            batcher.load(lm, self)
+
+
+class _ContinuousQueue:
+    def __init__(self, sampler: LocalSampler):
+        self.sampler = sampler
+
+    def submit(self, request: Request) -> SampledSequence:
+        return self.sampler._continuous([request])[0]
 
 
 def _row(datum: types.Datum, loss_fn: str) -> dict[str, torch.Tensor]:

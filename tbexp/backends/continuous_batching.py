@@ -1,0 +1,770 @@
+"""Continuous batching for the local backend's sampler: concurrent requests share one running decode batch.
+
+`backend.continuous_batching=true` routes every sampling request of a
+`LocalSampler` here. Requests join the running batch between decode steps
+and leave it the step they stop, so a short reply never waits for a long
+one and a new episode turn never waits for a whole batch to drain. Each
+iteration of the loop (`ContinuousBatcher._iterate`):
+
+1. admits waiting requests while rows and cache pages are free: the prompt's
+   leading full pages that are already cached (the same tokens under the
+   same weights: the other samples of a GRPO group, the earlier turns of an
+   episode) are shared, and only the rest is encoded (prefill, one packed
+   pass over every admitted prompt's new tokens);
+2. runs one decode step over all live rows (one token each), padded up to the
+   next batch-size bucket, replaying that bucket's CUDA graph on a GPU;
+3. samples every row, appends, checks stops, and frees the rows that finished;
+   stop strings (a batched decode of each row's tail) are checked while the
+   device runs the next step, and a row found stopped then drops that step's
+   token, so the host's decoding overlaps the device's work.
+
+KV cache: pages of `page_tokens` tokens in one pool per layer (see
+paged_kernels.py for the layout); a sequence holds a block table of pages,
+so no row is padded to the longest and memory grows with each sequence's own
+length. A request reserves the pages for prompt + max_tokens when admitted
+(simplified: no preemption; a request that does not fit waits). A page that
+fills up is registered under a hash of every token up to its end; a
+finished sequence's registered pages stay cached (least recently used ones
+are reused first) until the weights change.
+
+Weights: the decoder runs from private fused tensors (QKV, gate/up) with
+the policy's LoRA deltas merged in once per sampler snapshot, into buffers
+of fixed address, so graphs captured once stay valid across snapshots.
+A snapshot different from the loaded one waits until the batch drains.
+
+Sampling is Gumbel-max with counter-based noise per (seed, token index,
+vocabulary id) (paged_kernels.py), so what a seeded request gets does not
+depend on which others share its batch (up to the rounding of batched
+matrix products), and is the same on CPU and GPU up to that rounding; it
+is not the stream `sampling.py`'s seeded generators draw. Temperature, top-k,
+top-p, stops and logprobs (untempered) follow `sampling.py`.
+
+Threads: `submit` blocks its caller. No background thread: the first
+caller to find no loop running drives it until its own requests finish,
+then hands over to a caller still waiting.
+
+Supported models: Llama-style decoders (llama, qwen2, qwen3, mistral
+without a sliding window) with SiLU MLPs; others raise at construction.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from tbexp.backends.base import SampledSequence
+from tbexp.backends.batch_sampling import Request
+from tbexp.backends.paged_kernels import OPS, gather_pages, triton_available
+from tbexp.backends.sampling import filter_logits, resolve_stops
+
+SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
+BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+SCRATCH_PAGE = 0  # padding rows of a bucket write and read here; never handed to a sequence
+SEED_STRIDE = 0x9E3779B97F4A7C15  # sample i of a seeded sample(prompt, n) draws with seed + i·stride
+
+
+@dataclass
+class _Sequence:
+    request: Request
+    future: Future
+    snapshot: object
+    seed: int
+    stops: object
+    limit: int
+    submitted_s: float
+    pages: list[int] = field(default_factory=list)
+    written: int = 0  # tokens whose K/V are in the cache
+    cached_prefix: int = 0  # of those, how many came from shared pages
+    tokens: list[int] = field(default_factory=list)  # generated
+    logprobs: list[float] = field(default_factory=list)
+    first_token_s: float | None = None
+    done: str | None = None
+    load: object = None  # load(engine): fill the engine with this request's weights
+
+    @property
+    def context(self) -> list[int]:
+        return self.request.prompt + self.tokens
+
+
+class PagePool:
+    """Free pages, reference counts and the prefix cache (page hash → page), least recently used first."""
+
+    def __init__(self, n_pages: int):
+        self.free = list(range(n_pages - 1, SCRATCH_PAGE, -1))  # page 0 is the scratch page
+        self.refs = [0] * n_pages
+        self.digest_of: dict[int, bytes] = {}
+        self.page_of: dict[bytes, int] = {}
+        self.idle: OrderedDict[int, None] = OrderedDict()  # cached pages no sequence holds: reusable, oldest first
+
+    def available(self) -> int:
+        return len(self.free) + len(self.idle)
+
+    def take(self, n: int) -> list[int]:
+        pages = []
+        for _ in range(n):
+            if self.free:
+                page = self.free.pop()
+            else:
+                page, _ = self.idle.popitem(last=False)
+                del self.page_of[self.digest_of.pop(page)]
+            self.refs[page] = 1
+            pages.append(page)
+        return pages
+
+    def share(self, page: int) -> None:
+        if self.refs[page] == 0:
+            del self.idle[page]
+        self.refs[page] += 1
+
+    def release(self, pages: list[int]) -> None:
+        for page in pages:
+            self.refs[page] -= 1
+            if self.refs[page] == 0:
+                if page in self.digest_of:
+                    self.idle[page] = None
+                else:
+                    self.free.append(page)
+
+    def register(self, page: int, digest: bytes) -> None:
+        if digest not in self.page_of and page not in self.digest_of:
+            self.page_of[digest] = page
+            self.digest_of[page] = digest
+
+    def forget_all(self) -> None:
+        """The weights changed: no cached K/V is valid any more."""
+        self.free.extend(self.idle)
+        self.idle.clear()
+        self.digest_of.clear()
+        self.page_of.clear()
+
+
+def page_digests(tokens: list[int], page_tokens: int) -> list[bytes]:
+    """One digest per full page of `tokens`, each covering every token up to that page's end."""
+    digests, previous = [], b""
+    for start in range(0, len(tokens) - page_tokens + 1, page_tokens):
+        previous = hashlib.blake2b(
+            previous + np.asarray(tokens[start : start + page_tokens], dtype=np.int64).tobytes(), digest_size=16
+        ).digest()
+        digests.append(previous)
+    return digests
+
+
+class DecodeWeights:
+    """The decoder's weights as fused tensors with LoRA merged, refilled in place by `load` (fixed addresses)."""
+
+    def __init__(self, lm):
+        config = lm.config
+        _check_supported(config)
+        decoder = lm.get_decoder()
+        attn = decoder.layers[0].self_attn
+        self.n_layers = len(decoder.layers)
+        self.n_q_heads, self.n_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.scale = float(attn.scaling)
+        self.eps = float(config.rms_norm_eps)
+        self.has_qk_norm = hasattr(attn, "q_norm")
+        self.has_qkv_bias = _linear_bias(attn.q_proj) is not None
+        self.embed = lm.get_input_embeddings().weight  # never LoRA-wrapped here (the backend refuses it); read in place
+        self.dtype = self.embed.dtype
+        self.head = lm.get_output_embeddings().weight  # tied or not, frozen: read in place
+        self.layers: list[dict[str, torch.Tensor]] = []
+        self.final_norm: torch.Tensor | None = None
+        self.load(lm)
+
+    def load(self, lm) -> float:
+        """Copy `lm`'s current weights (LoRA deltas merged) into the buffers; returns the seconds it took."""
+        start = time.perf_counter()
+        decoder = lm.get_decoder()
+        fresh = not self.layers
+        with torch.no_grad():
+            for i, layer in enumerate(decoder.layers):
+                a, m = layer.self_attn, layer.mlp
+                tensors = {
+                    "qkv": torch.cat(
+                        [_effective_weight(a.q_proj), _effective_weight(a.k_proj), _effective_weight(a.v_proj)]
+                    ),
+                    "o": _effective_weight(a.o_proj),
+                    "gate_up": torch.cat([_effective_weight(m.gate_proj), _effective_weight(m.up_proj)]),
+                    "down": _effective_weight(m.down_proj),
+                    "ln1": layer.input_layernorm.weight,
+                    "ln2": layer.post_attention_layernorm.weight,
+                }
+                if self.has_qkv_bias:
+                    tensors["qkv_bias"] = torch.cat(
+                        [_linear_bias(a.q_proj), _linear_bias(a.k_proj), _linear_bias(a.v_proj)]
+                    )
+                if self.has_qk_norm:
+                    tensors["q_norm"], tensors["k_norm"] = a.q_norm.weight, a.k_norm.weight
+                if fresh:
+                    self.layers.append({k: v.detach().to(self.dtype).contiguous().clone() for k, v in tensors.items()})
+                else:
+                    for k, v in tensors.items():
+                        self.layers[i][k].copy_(v)
+            final = _final_norm_weight(decoder.norm)
+            if fresh:
+                self.final_norm = final.to(self.dtype).clone()
+            else:
+                self.final_norm.copy_(final)
+        if self.embed.is_cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+
+def _check_supported(config) -> None:
+    kind = getattr(config, "model_type", "")
+    problems = []
+    if kind not in SUPPORTED:
+        problems.append(f"model_type {kind!r} is not one of {SUPPORTED}")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act {config.hidden_act!r} (only silu)")
+    if getattr(config, "use_sliding_window", False) or (kind == "mistral" and getattr(config, "sliding_window", None)):
+        problems.append("a sliding attention window")
+    if getattr(config, "mlp_bias", False):
+        problems.append("MLP biases")
+    if problems:
+        raise ValueError(
+            f"backend.continuous_batching: {type(config).__name__} is not supported ({'; '.join(problems)}); "
+            "set backend.continuous_batching=false"
+        )
+
+
+def _linear_bias(module):
+    base = getattr(module, "base_layer", module)
+    return base.bias
+
+
+def _effective_weight(module) -> torch.Tensor:
+    """A linear layer's weight with its active LoRA deltas added (peft's own delta computation), in fp32."""
+    base = getattr(module, "base_layer", None)
+    if base is None:
+        return module.weight.float()
+    weight = base.weight.float()
+    if getattr(module, "merged", False) or getattr(module, "disable_adapters", False):
+        return weight
+    for name in module.active_adapters:
+        if name in module.lora_A:
+            weight = weight + module.get_delta_weight(name).float()
+    return weight
+
+
+def _final_norm_weight(norm) -> torch.Tensor:
+    """The final RMSNorm's gain, times model.logit_scale's factor when the norm carries one (logit_scale.py)."""
+    if hasattr(norm, "log_scale"):
+        return norm.norm.weight.float() * norm.log_scale.float().exp()
+    return norm.weight.float()
+
+
+class ContinuousBatcher:
+    """The running batch, its paged KV cache and its CUDA graphs; one per backend (see the module docstring)."""
+
+    def __init__(
+        self,
+        lm,
+        tokenizer,
+        eos_token_ids,
+        *,
+        snapshot=None,
+        kv_cache_tokens: int = 0,
+        page_tokens: int = 0,
+        max_batch: int = 256,
+        max_seq_tokens: int = 0,
+        cuda_graphs: bool = True,
+        kernels: str = "auto",
+        prefill_tokens: int = 16384,
+    ):
+        self.weights = w = DecodeWeights(lm)
+        self.device = w.embed.device
+        self.tokenizer, self.eos_token_ids = tokenizer, list(eos_token_ids)
+        on_gpu = self.device.type == "cuda"
+        if kernels == "auto":
+            kernels = "triton" if on_gpu and triton_available() else "torch"
+        if kernels not in OPS:
+            raise ValueError(f"kernels={kernels!r}: choose one of {sorted(OPS)} or auto")
+        self.kernels = kernels
+        self.ops = OPS[kernels]
+        self.page_tokens = page_tokens or (32 if kernels == "triton" else 16)
+        if kernels == "triton" and self.page_tokens < 16:
+            raise ValueError("the Triton attention kernel needs page_tokens >= 16")
+        context = getattr(lm.config, "max_position_embeddings", None) or 4096
+        self.max_seq_tokens = max_seq_tokens or min(context, 32768)
+        self.max_batch = max_batch
+        self.prefill_tokens = prefill_tokens
+        self.cuda_graphs = cuda_graphs and on_gpu and kernels == "triton"  # the torch attention syncs on its lengths
+        self.max_pages_per_seq = -(-self.max_seq_tokens // self.page_tokens)
+        per_token = 2 * w.n_layers * w.n_kv_heads * w.head_dim * w.embed.element_size()
+        if not kv_cache_tokens:  # 40% of what is free now on a GPU; 64k tokens elsewhere
+            kv_cache_tokens = int(0.4 * torch.cuda.mem_get_info(self.device)[0] / per_token) if on_gpu else 65536
+        n_pages = max(2, kv_cache_tokens // self.page_tokens + 1)
+        shape = (w.n_layers, n_pages, w.n_kv_heads, self.page_tokens, w.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=w.dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=w.dtype, device=self.device)
+        self.pool = PagePool(n_pages)
+        self.rope_cos, self.rope_sin = _rope_tables(lm, self.max_seq_tokens, self.device)
+        # Per-row device state of the decode batch; a bucket's step reads the first `bucket` rows.
+        self.block_tables = torch.full(
+            (max_batch, self.max_pages_per_seq), SCRATCH_PAGE, dtype=torch.int32, device=self.device
+        )
+        self.step_inputs = torch.zeros(
+            4, max_batch, dtype=torch.long, device=self.device
+        )  # token, position, slot, length
+        self.sample_inputs = torch.zeros(2, max_batch, dtype=torch.long, device=self.device)  # seed, token index
+        self.temperatures = torch.zeros(max_batch, dtype=torch.float32, device=self.device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.rows: list[_Sequence] = []
+        self.snapshot = snapshot
+        self._cond = threading.Condition()
+        self._waiting: list[_Sequence] = []
+        self._driving = False
+        self._pending_strings: list[_Sequence] = []  # rows whose newest token's stop strings are not checked yet
+        self._host_buffer: torch.Tensor | None = None  # pinned: the device-to-host copy of each step's picks
+        self.first_token_s: list[float] = []  # time to first token of each finished request, submit to sample
+        self.stats = {
+            "prefill_tokens": 0,
+            "cached_prompt_tokens": 0,
+            "decode_steps": 0,
+            "decode_rows": 0,
+            "weight_loads": 0,
+            "weight_load_s": 0.0,
+            "graph_captures": 0,
+            "decode_s": 0.0,
+            "device_wait_s": 0.0,
+            "prefill_s": 0.0,
+        }  # decode_s − device_wait_s: the host's share of decoding
+
+    # ---- public ----
+
+    def submit(self, request: Request, snapshot=None, load=None) -> SampledSequence:
+        """Sample one reply; blocks until it is done (see the module docstring)."""
+        return self.submit_all([request], snapshot, load)[0]
+
+    def submit_all(
+        self, requests: list[Request], snapshot=None, load=None, seeds: list[int] | None = None
+    ) -> list[SampledSequence]:
+        """One reply per request, all in the running batch; `load(engine)` fills in `snapshot`'s weights if needed."""
+        now = time.perf_counter()
+        seqs = [
+            self._new_sequence(r, snapshot, load, now, None if seeds is None else seeds[i])
+            for i, r in enumerate(requests)
+        ]
+        with self._cond:
+            self._waiting.extend(seqs)
+        futures = [s.future for s in seqs]
+        while not all(f.done() for f in futures):
+            with self._cond:
+                while self._driving and not all(f.done() for f in futures):
+                    self._cond.wait()
+                if all(f.done() for f in futures):
+                    break
+                self._driving = True
+            try:
+                while not all(f.done() for f in futures):
+                    self._iterate()
+            except BaseException as err:  # every caller learns of the failure
+                self._fail(err)
+                raise
+            finally:
+                with self._cond:
+                    self._driving = False
+                    self._cond.notify_all()
+        return [f.result() for f in futures]
+
+    def load(self, lm, snapshot) -> float:
+        """Fill the weights from `lm`; drops the prefix cache. Only between batches (the caller guarantees it)."""
+        seconds = self.weights.load(lm)
+        self.pool.forget_all()
+        self.snapshot = snapshot
+        self.stats["weight_loads"] += 1
+        self.stats["weight_load_s"] += seconds
+        return seconds
+
+    # ---- the loop ----
+
+    def _new_sequence(self, request: Request, snapshot, load, now: float, seed: int | None) -> _Sequence:
+        params = request.params
+        if not request.prompt:
+            raise ValueError("an empty prompt has no position to sample from")
+        limit = params.max_tokens if params.max_tokens is not None else self.max_seq_tokens - len(request.prompt)
+        if len(request.prompt) + limit > self.max_seq_tokens:
+            raise ValueError(
+                f"prompt ({len(request.prompt)}) + max_tokens ({limit}) exceeds the batcher's "
+                f"{self.max_seq_tokens} tokens a sequence"
+            )
+        need = -(-(len(request.prompt) + limit) // self.page_tokens)
+        if need > len(self.pool.refs) - 1:
+            raise ValueError(
+                f"a request of {len(request.prompt) + limit} tokens needs {need} cache pages; "
+                f"the cache has {len(self.pool.refs) - 1}: raise kv_cache_tokens"
+            )
+        stops = resolve_stops(params.stop, self.eos_token_ids)
+        if stops.strings and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer to decode with")
+        if seed is None:
+            seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+        return _Sequence(request, Future(), snapshot, seed % 2**63, stops, max(limit, 0), now, load=load)
+
+    def _iterate(self) -> None:
+        admitted = self._admit()
+        if admitted:
+            self._prefill(admitted)
+            self._retire()  # a reply can end at its first token
+        if self.rows:
+            self._decode()
+            self._retire()
+
+    def _admit(self) -> list[_Sequence]:
+        admitted = []
+        with self._cond:
+            while self._waiting and len(self.rows) + len(admitted) < self.max_batch:
+                seq = self._waiting[0]
+                if seq.snapshot is not self.snapshot:
+                    if self.rows or admitted:
+                        break  # other weights: wait until the batch drains
+                    if seq.load is not None:
+                        seq.load(self)
+                    self.snapshot = seq.snapshot
+                if seq.limit == 0:
+                    self._waiting.pop(0)
+                    seq.done = "length"
+                    self._finish(seq)
+                    continue
+                if not self._reserve(seq):
+                    break
+                self._waiting.pop(0)
+                admitted.append(seq)
+        return admitted
+
+    def _reserve(self, seq: _Sequence) -> bool:
+        """Pages for the whole request: cached ones shared for the prompt's leading full pages, new ones after."""
+        prompt = seq.request.prompt
+        shared = []
+        for digest in page_digests(
+            prompt[:-1], self.page_tokens
+        ):  # the last prompt token is always run: its logits start the reply
+            page = self.pool.page_of.get(digest)
+            if page is None:
+                break
+            shared.append(page)
+        need = -(-(len(prompt) + seq.limit) // self.page_tokens) - len(shared)
+        if need > self.pool.available() - sum(1 for p in shared if self.pool.refs[p] == 0):
+            return False
+        for page in shared:
+            self.pool.share(page)
+        seq.pages = shared + self.pool.take(need)
+        seq.written = seq.cached_prefix = len(shared) * self.page_tokens
+        # Registered now, before the prefill writes them: a request admitted after this one in the same iteration
+        # shares them, and its prefill (later in the same packed pass, or a later chunk) reads them once written.
+        for i, digest in enumerate(page_digests(prompt, self.page_tokens)):
+            self.pool.register(seq.pages[i], digest)
+        self.stats["cached_prompt_tokens"] += seq.cached_prefix
+        return True
+
+    def _prefill(self, seqs: list[_Sequence]) -> None:
+        """Encode admitted prompts' uncached tokens (packed, `prefill_tokens` a chunk); sample their first tokens."""
+        batch: list[_Sequence] = []
+        total = 0
+        for seq in seqs:
+            n = len(seq.request.prompt) - seq.written
+            if batch and total + n > self.prefill_tokens:
+                self._prefill_batch(batch)
+                batch, total = [], 0
+            batch.append(seq)
+            total += n
+        if batch:
+            self._prefill_batch(batch)
+        for seq in seqs:
+            self._add_row(seq)
+
+    def _prefill_batch(self, seqs: list[_Sequence]) -> None:
+        tokens, positions, slots, spans = [], [], [], []
+        for seq in seqs:
+            prompt = seq.request.prompt
+            start = seq.written
+            tokens.extend(prompt[start:])
+            positions.extend(range(start, len(prompt)))
+            slots.extend(self._slot(seq, p) for p in range(start, len(prompt)))
+            spans.append((len(tokens) - (len(prompt) - start), len(prompt) - start, len(prompt), seq.pages))
+        dev = self.device
+        tokens_N = torch.tensor(tokens, dtype=torch.long, device=dev)
+        positions_N = torch.tensor(positions, dtype=torch.long, device=dev)
+        slots_N = torch.tensor(slots, dtype=torch.long, device=dev)
+        page_tables = [torch.tensor(pages, dtype=torch.long, device=dev) for *_, pages in spans]
+
+        def attend(layer: int, q_N_H_d: torch.Tensor) -> torch.Tensor:
+            outs = []
+            for (start, n, length, _), pages in zip(spans, page_tables):
+                k = gather_pages(self.k_cache[layer], pages, length)
+                v = gather_pages(self.v_cache[layer], pages, length)
+                # 4-D inputs: SDPA's fused kernels take nothing else (3-D ones run its slow math kernel).
+                q = q_N_H_d[start : start + n].transpose(0, 1)[None]
+                if n == length:
+                    o = torch.nn.functional.scaled_dot_product_attention(
+                        q, k[None], v[None], is_causal=True, scale=self.weights.scale, enable_gqa=True
+                    )
+                else:  # after a cached prefix: query i sees the prefix and the new tokens up to itself
+                    # The masked (memory-efficient) kernel has no GQA: the KV heads are repeated for it.
+                    group = q.shape[1] // k.shape[0]
+                    k, v = k.repeat_interleave(group, 0)[None], v.repeat_interleave(group, 0)[None]
+                    mask = (
+                        torch.arange(length, device=dev)[None] <= torch.arange(length - n, length, device=dev)[:, None]
+                    )
+                    o = torch.nn.functional.scaled_dot_product_attention(
+                        q, k, v, attn_mask=mask, scale=self.weights.scale
+                    )
+                outs.append(o[0].transpose(0, 1).reshape(n, -1))
+            return torch.cat(outs)
+
+        last = torch.tensor([start + n - 1 for start, n, *_ in spans], device=dev)
+        began = time.perf_counter()
+        with torch.no_grad():
+            hidden = self._forward(tokens_N, positions_N, slots_N, attend)
+            logits = self._logits(hidden[last])
+        self.stats["prefill_tokens"] += len(tokens)
+        for seq in seqs:
+            seq.written = len(seq.request.prompt)
+        self._sample_and_append(seqs, logits)
+        self.stats["prefill_s"] += time.perf_counter() - began
+
+    def _decode(self) -> None:
+        """One token for every live row: one forward over the bucket, graph-replayed on a GPU."""
+        start = time.perf_counter()
+        n = len(self.rows)
+        bucket = next((b for b in BUCKETS if b >= n), n) if self.cuda_graphs else n
+        host = np.zeros((4, bucket), dtype=np.int64)
+        host[2] = SCRATCH_PAGE * self.page_tokens  # padding rows: scratch slot, length 1
+        host[3] = 1
+        samp = np.zeros((2, bucket), dtype=np.int64)
+        temps = np.zeros(bucket, dtype=np.float32)
+        for r, seq in enumerate(self.rows):
+            position = len(seq.request.prompt) + len(seq.tokens) - 1  # the newest token is fed now
+            host[:, r] = (seq.tokens[-1], position, self._slot(seq, position), position + 1)
+            samp[:, r] = (seq.seed, len(seq.tokens))
+            temps[r] = seq.request.params.temperature
+        self.step_inputs[:, :bucket].copy_(torch.from_numpy(host), non_blocking=False)
+        self.sample_inputs[:, :bucket].copy_(torch.from_numpy(samp))
+        self.temperatures[:bucket].copy_(torch.from_numpy(temps))
+        with torch.no_grad():
+            logits = self._decode_logits(bucket)
+        for seq in self.rows:
+            seq.written += 1
+        self.stats["decode_steps"] += 1
+        self.stats["decode_rows"] += n
+        self._sample_and_append(list(self.rows), logits[:n], rows=slice(0, n))
+        self.stats["decode_s"] += time.perf_counter() - start
+
+    def _decode_logits(self, bucket: int) -> torch.Tensor:
+        if not self.cuda_graphs:
+            return self._decode_step(bucket)
+        if bucket not in self.graphs:
+            self._capture(bucket)
+        graph, logits = self.graphs[bucket]
+        graph.replay()
+        return logits
+
+    def _capture(self, bucket: int) -> None:
+        """Warm the step up eagerly on a side stream (Triton compiles, cuBLAS picks kernels), then capture it."""
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self._decode_step(bucket)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = self._decode_step(bucket)
+        self.graphs[bucket] = (graph, logits)
+        self.stats["graph_captures"] += 1
+
+    def _decode_step(self, bucket: int) -> torch.Tensor:
+        tokens, positions, slots, lengths = self.step_inputs[:, :bucket]
+        block_tables = self.block_tables[:bucket]
+        lengths_i32 = lengths.to(torch.int32)
+        splits = _splits(bucket * self.weights.n_kv_heads, self.max_pages_per_seq)
+
+        def attend(layer: int, q_N_H_d: torch.Tensor) -> torch.Tensor:
+            return self.ops["attention"](
+                q_N_H_d, self.k_cache[layer], self.v_cache[layer], block_tables, lengths_i32, self.weights.scale, splits
+            )
+
+        return self._logits(self._forward(tokens, positions, slots, attend))
+
+    def _forward(self, tokens_N, positions_N, slots_N, attend) -> torch.Tensor:
+        """The decoder over N tokens at `positions_N`, their K/V written to `slots_N`; final-normed hidden states."""
+        w, ops = self.weights, self.ops
+        cos, sin = self.rope_cos[positions_N], self.rope_sin[positions_N]
+        residual = w.embed[tokens_N]
+        hidden, residual = ops["add_rmsnorm"](residual, None, w.layers[0]["ln1"], w.eps)
+        for i, layer in enumerate(w.layers):
+            qkv = torch.nn.functional.linear(hidden, layer["qkv"], layer.get("qkv_bias"))
+            q = ops["qk_norm_rope_store"](
+                qkv,
+                cos,
+                sin,
+                layer.get("q_norm"),
+                layer.get("k_norm"),
+                w.eps,
+                self.k_cache[i],
+                self.v_cache[i],
+                slots_N,
+                w.n_q_heads,
+                w.n_kv_heads,
+            )
+            attn = torch.nn.functional.linear(attend(i, q), layer["o"])
+            hidden, residual = ops["add_rmsnorm"](attn, residual, layer["ln2"], w.eps)
+            mlp = torch.nn.functional.linear(
+                ops["silu_mul"](torch.nn.functional.linear(hidden, layer["gate_up"])), layer["down"]
+            )
+            next_norm = w.layers[i + 1]["ln1"] if i + 1 < len(w.layers) else w.final_norm
+            hidden, residual = ops["add_rmsnorm"](mlp, residual, next_norm, w.eps)
+        return hidden
+
+    def _logits(self, hidden_N_D: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(hidden_N_D, self.weights.head).float()
+
+    def _sample_and_append(self, seqs: list[_Sequence], logits_B_V: torch.Tensor, rows: slice | None = None) -> None:
+        """Sample every row and append; with `rows` (a decode step), stop strings of the rows that go on are
+        checked while the device runs the next step (`_pending_strings`), and a row found stopped then drops
+        that step's token."""
+        dev = self.device
+        if rows is not None:
+            temps, seeds, steps = self.temperatures[rows], self.sample_inputs[0, rows], self.sample_inputs[1, rows]
+        else:
+            temps = torch.tensor([s.request.params.temperature for s in seqs], dtype=torch.float32, device=dev)
+            seeds = torch.tensor([s.seed for s in seqs], dtype=torch.long, device=dev)
+            steps = torch.tensor([len(s.tokens) for s in seqs], dtype=torch.long, device=dev)
+        filtered = None
+        if any(_filters(s.request.params) for s in seqs):
+            filtered = torch.stack([_filtered_row(logits_B_V[b], s.request.params) for b, s in enumerate(seqs)])
+        tokens_B, logp_B = self.ops["sample"](logits_B_V, temps, seeds, steps, filtered)
+        ready = self._to_host(torch.stack([tokens_B.double(), logp_B.double()]))
+        if rows is not None:  # the device is busy with this step: decode the previous step's tails meanwhile
+            self._check_strings(self._pending_strings)
+            self._pending_strings = []
+        waited = time.perf_counter()
+        picked, logps = ready()  # the step's one sync
+        now = time.perf_counter()
+        self.stats["device_wait_s"] += now - waited
+        appended = []
+        for b, seq in enumerate(seqs):
+            if seq.done is not None:  # stopped by a string found while this step ran: its token is dropped
+                continue
+            token = int(picked[b])
+            seq.tokens.append(token)
+            seq.logprobs.append(float(logps[b]))
+            appended.append(seq)
+            if seq.first_token_s is None:
+                seq.first_token_s = now
+            if token in seq.stops.token_ids:
+                seq.done = "stop"
+            elif len(seq.tokens) >= seq.limit:
+                seq.done = "length"
+        strings = [s for s in appended if s.stops.strings and s.done != "stop"]
+        if rows is None:
+            self._check_strings(strings)
+        else:  # rows that end here are decided now (a stop string outranks the length); the others next step
+            self._check_strings([s for s in strings if s.done is not None])
+            self._pending_strings = [s for s in strings if s.done is None]
+
+    def _check_strings(self, seqs: list[_Sequence]) -> None:
+        if seqs:  # one batched decode of every row's tail instead of one call per row
+            texts = self.tokenizer.batch_decode([s.tokens[-s.stops.tail_tokens :] for s in seqs])
+            for seq, text in zip(seqs, texts):
+                if any(stop in text for stop in seq.stops.strings):
+                    seq.done = "stop"
+
+    def _to_host(self, values: torch.Tensor):
+        """Start copying `values` to the host; returns the wait that gives them as a numpy array."""
+        if not values.is_cuda:
+            return values.numpy
+        n = values.shape[1]
+        if self._host_buffer is None or self._host_buffer.shape[1] < n:
+            self._host_buffer = torch.empty(
+                values.shape[0], max(n, self.max_batch), dtype=values.dtype, pin_memory=True
+            )
+        view = self._host_buffer[:, :n]
+        view.copy_(values, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+
+        def wait():
+            event.synchronize()
+            return view.numpy()
+
+        return wait
+
+    def _add_row(self, seq: _Sequence) -> None:
+        row = len(self.rows)
+        self.rows.append(seq)
+        table = torch.full((self.max_pages_per_seq,), SCRATCH_PAGE, dtype=torch.int32)
+        table[: len(seq.pages)] = torch.tensor(seq.pages, dtype=torch.int32)
+        self.block_tables[row].copy_(table)
+
+    def _retire(self) -> None:
+        """Finish stopped rows; the last row moves into each freed place, so the live rows stay 0..n-1."""
+        r = 0
+        while r < len(self.rows):
+            seq = self.rows[r]
+            if seq.done is None:
+                r += 1
+                continue
+            last = self.rows.pop()
+            if last is not seq:
+                self.rows[r] = last
+                self.block_tables[r].copy_(self.block_tables[len(self.rows)])
+            self._finish(seq)
+
+    def _finish(self, seq: _Sequence) -> None:
+        if seq.pages:
+            # Register every full page whose K/V are written, so later turns and samples can share them.
+            for i, digest in enumerate(page_digests(seq.context[: seq.written], self.page_tokens)):
+                self.pool.register(seq.pages[i], digest)
+            self.pool.release(seq.pages)
+            seq.pages = []
+        if seq.first_token_s is not None:
+            self.first_token_s.append(seq.first_token_s - seq.submitted_s)
+        seq.future.set_result(
+            SampledSequence(tokens=seq.tokens, logprobs=seq.logprobs, stop_reason=seq.done or "length")
+        )
+
+    def _fail(self, err: BaseException) -> None:
+        with self._cond:
+            for seq in self.rows + self._waiting:
+                if not seq.future.done():
+                    seq.future.set_exception(err)
+                self.pool.release(seq.pages)
+                seq.pages = []
+            self.rows, self._waiting = [], []
+
+    def _slot(self, seq: _Sequence, position: int) -> int:
+        return seq.pages[position // self.page_tokens] * self.page_tokens + position % self.page_tokens
+
+
+def _splits(programs: int, max_pages: int) -> int:
+    """Split-K factor for the attention kernel: ~8 programs per SM of an H100/H200 (132 SMs), so that page loads
+    overlap (one program walks its pages one after another)."""
+    return max(1, min(16, -(-1056 // programs), max_pages))
+
+
+def _filters(params) -> bool:
+    return params.temperature > 0 and ((0 < params.top_k) or params.top_p < 1)
+
+
+def _filtered_row(logits_V: torch.Tensor, params) -> torch.Tensor:
+    if not _filters(params):
+        return logits_V
+    # filter_logits works on tempered logits; undo the temperature so the kernel's division gives them back.
+    return filter_logits(logits_V[None] / params.temperature, params.top_k, params.top_p)[0] * params.temperature
+
+
+def _rope_tables(lm, length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [length, head_dim] in fp32 from the model's own rotary module (its scaling included)."""
+    rotary = lm.get_decoder().rotary_emb
+    probe = torch.zeros(1, 1, 1, dtype=torch.float32, device=device)
+    with torch.no_grad():
+        cos, sin = rotary(probe, torch.arange(length, device=device)[None])
+    return cos[0].float().contiguous(), sin[0].float().contiguous()

@@ -1,0 +1,204 @@
+"""The Triton kernels behind `paged_kernels.py`'s `*_triton` functions (imported only where Triton is installed).
+
+paged_kernels.py's docstring says what each computes; each matches its torch
+reference there to the activations' dtype's rounding.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def add_rmsnorm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, D, eps, HAS_RES: tl.constexpr, BLOCK_D: tl.constexpr
+):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_D)
+    mask = offs < D
+    x = tl.load(x_ptr + row * D + offs, mask=mask, other=0.0)
+    if HAS_RES:
+        x = x + tl.load(res_ptr + row * D + offs, mask=mask, other=0.0)  # summed in the activations' dtype
+        tl.store(res_out_ptr + row * D + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / D + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * D + offs, (xf * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def qk_rope_store_kernel(
+    qkv_ptr,
+    cos_ptr,
+    sin_ptr,
+    qn_ptr,
+    kn_ptr,
+    q_out_ptr,
+    kc_ptr,
+    vc_ptr,
+    slots_ptr,
+    eps,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    HEAD_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    half = tl.arange(0, HEAD_D // 2)
+    row = qkv_ptr + n * (HQ + 2 * HKV) * HEAD_D + h * HEAD_D
+    x1 = tl.load(row + half).to(tl.float32)
+    x2 = tl.load(row + HEAD_D // 2 + half).to(tl.float32)
+    if HAS_NORM:
+        rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / HEAD_D + eps)
+        is_q = h < HQ  # both norms' weights are loaded (a few bytes): no branch on a pointer
+        w1 = tl.where(is_q, tl.load(qn_ptr + half), tl.load(kn_ptr + half)).to(tl.float32)
+        w2 = tl.where(is_q, tl.load(qn_ptr + HEAD_D // 2 + half), tl.load(kn_ptr + HEAD_D // 2 + half)).to(tl.float32)
+        x1 = x1 * rstd * w1
+        x2 = x2 * rstd * w2
+    c1 = tl.load(cos_ptr + n * HEAD_D + half)
+    c2 = tl.load(cos_ptr + n * HEAD_D + HEAD_D // 2 + half)
+    s1 = tl.load(sin_ptr + n * HEAD_D + half)
+    s2 = tl.load(sin_ptr + n * HEAD_D + HEAD_D // 2 + half)
+    y1 = x1 * c1 - x2 * s1
+    y2 = x2 * c2 + x1 * s2
+    if h < HQ:
+        out = q_out_ptr + (n * HQ + h) * HEAD_D
+        tl.store(out + half, y1.to(q_out_ptr.dtype.element_ty))
+        tl.store(out + HEAD_D // 2 + half, y2.to(q_out_ptr.dtype.element_ty))
+    else:
+        kh = h - HQ
+        slot = tl.load(slots_ptr + n)
+        dst = ((slot // PAGE) * HKV + kh) * PAGE * HEAD_D + (slot % PAGE) * HEAD_D
+        tl.store(kc_ptr + dst + half, y1.to(kc_ptr.dtype.element_ty))
+        tl.store(kc_ptr + dst + HEAD_D // 2 + half, y2.to(kc_ptr.dtype.element_ty))
+        full = tl.arange(0, HEAD_D)
+        v = tl.load(qkv_ptr + n * (HQ + 2 * HKV) * HEAD_D + (HQ + HKV + kh) * HEAD_D + full)
+        tl.store(vc_ptr + dst + full, v.to(vc_ptr.dtype.element_ty))
+
+
+@triton.jit
+def paged_attn_kernel(
+    q_ptr,
+    kc_ptr,
+    vc_ptr,
+    bt_ptr,
+    lens_ptr,
+    acc_ptr,
+    ml_ptr,
+    scale,
+    bt_stride,
+    SPLITS,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_D: tl.constexpr,
+    PAGE: tl.constexpr,
+):
+    n = tl.program_id(0)
+    kh = tl.program_id(1)
+    split = tl.program_id(2)
+    length = tl.load(lens_ptr + n)
+    pages = tl.cdiv(length, PAGE)
+    per_split = tl.cdiv(pages, SPLITS)
+    p0 = split * per_split
+    p1 = tl.minimum(p0 + per_split, pages)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_D)
+    t = tl.arange(0, PAGE)
+    heads = kh * GROUP + g
+    q = tl.load(q_ptr + (n * HQ + heads)[:, None] * HEAD_D + d[None, :], mask=(g < GROUP)[:, None], other=0.0)
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_D], tl.float32)
+    for p in range(p0, p1):
+        page = tl.load(bt_ptr + n * bt_stride + p).to(tl.int64)
+        tile = (page * HKV + kh) * PAGE * HEAD_D + t[:, None] * HEAD_D + d[None, :]
+        k = tl.load(kc_ptr + tile)
+        s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.where((p * PAGE + t)[None, :] < length, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - m_new)
+        prob = tl.exp(s - m_new[:, None])
+        l = l * alpha + tl.sum(prob, axis=1)
+        v = tl.load(vc_ptr + tile)
+        acc = acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v)
+        m = m_new
+    keep = g < GROUP
+    part = (n * HQ + heads) * SPLITS + split
+    tl.store(acc_ptr + part[:, None] * HEAD_D + d[None, :], acc, mask=keep[:, None])
+    tl.store(ml_ptr + part * 2, m, mask=keep)
+    tl.store(ml_ptr + part * 2 + 1, l, mask=keep)
+
+
+@triton.jit
+def merge_splits_kernel(acc_ptr, ml_ptr, out_ptr, SPLITS, SPLITS_PAD: tl.constexpr, HEAD_D: tl.constexpr):
+    nh = tl.program_id(0)  # row * HQ + head
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, HEAD_D)
+    valid = s < SPLITS
+    m = tl.load(ml_ptr + (nh * SPLITS + s) * 2, mask=valid, other=float("-inf"))
+    l = tl.load(ml_ptr + (nh * SPLITS + s) * 2 + 1, mask=valid, other=0.0)
+    top = tl.max(m, axis=0)
+    w = tl.where(valid & (m > float("-inf")), tl.exp(m - top), 0.0)
+    acc = tl.load(acc_ptr + (nh * SPLITS + s)[:, None] * HEAD_D + d[None, :], mask=valid[:, None], other=0.0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    tl.store(out_ptr + nh * HEAD_D + d, out.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def silu_mul_kernel(gu_ptr, out_ptr, INTER, BLOCK: tl.constexpr):
+    n = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < INTER
+    gate = tl.load(gu_ptr + n * 2 * INTER + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gu_ptr + n * 2 * INTER + INTER + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + n * INTER + offs, (gate / (1.0 + tl.exp(-gate)) * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def mix(x):
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def sample_kernel(logits_ptr, temp_ptr, seed_ptr, step_ptr, tok_ptr, logp_ptr, V, BLOCK_V: tl.constexpr):
+    row = tl.program_id(0)
+    temp = tl.load(temp_ptr + row)
+    seed = tl.load(seed_ptr + row).to(tl.int64)
+    step = tl.load(step_ptr + row).to(tl.int64)
+    lo = (seed & 0xFFFFFFFF).to(tl.uint32)
+    hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    key = mix(lo ^ mix(hi ^ 0x9E3779B9))
+    key = mix(key ^ ((step * 0x85EBCA6B) & 0xFFFFFFFF).to(tl.uint32))
+    hot = temp > 0
+    inv_t = 1.0 / tl.where(hot, temp, 1.0)
+    run_m = float("-inf")
+    run_s = 0.0
+    best_z = float("-inf")
+    best_i = 0
+    for v0 in range(0, V, BLOCK_V):
+        offs = v0 + tl.arange(0, BLOCK_V)
+        mask = offs < V
+        x = tl.load(logits_ptr + row.to(tl.int64) * V + offs, mask=mask, other=float("-inf")).to(tl.float32)
+        block_m = tl.max(x, axis=0)
+        new_m = tl.maximum(run_m, block_m)
+        run_s = run_s * tl.exp(run_m - new_m) + tl.sum(tl.exp(x - new_m), axis=0)
+        run_m = new_m
+        u = mix(key ^ offs.to(tl.uint32))
+        uniform = ((u >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        z = tl.where(hot, x * inv_t - tl.log(-tl.log(uniform)), x)
+        z = tl.where(mask, z, float("-inf"))
+        block_z = tl.max(z, axis=0)
+        block_i = tl.argmax(z, axis=0)
+        better = block_z > best_z
+        best_i = tl.where(better, v0 + block_i, best_i)
+        best_z = tl.where(better, block_z, best_z)
+    picked = tl.load(logits_ptr + row.to(tl.int64) * V + best_i).to(tl.float32)
+    tl.store(tok_ptr + row, best_i.to(tl.int64))
+    tl.store(logp_ptr + row, picked - run_m - tl.log(run_s))
