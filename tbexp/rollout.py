@@ -152,9 +152,8 @@ def _run_steps(
         messages += episode.messages
         clock = _lap(episode, "agent", clock)
         spent_s["agent"] += episode.time_s["agent"]
-        for tests in step.tests_dirs[:-1]:  # the task's shared tests/ first; verify copies the step's over them
-            sandbox.upload(tests, "/tests")
-        report = episode.step_reports[step.name] = verify(sandbox, step_task)
+        # the task's shared tests/ first, the step's own over them
+        report = episode.step_reports[step.name] = verify(sandbox, step_task, shared_tests=step.tests_dirs[:-1])
         sandbox.exec("rm -rf /tests/* /tests/.[!.]* /logs/verifier", timeout_s=30)  # the next step must not see them
         clock = _lap(episode, "verify", clock)
         spent_s["verify"] += episode.time_s["verify"]

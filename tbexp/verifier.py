@@ -26,6 +26,7 @@ import math
 import shlex
 import tempfile
 import xml.etree.ElementTree as ET
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -94,9 +95,11 @@ def runs_pytest(task: Task) -> bool:
     return "pytest" in (tests / "test.sh").read_text(errors="replace")
 
 
-def verify(sandbox: Sandbox, task: Task) -> TestReport:
+def verify(sandbox: Sandbox, task: Task, shared_tests: Sequence[Path] = ()) -> TestReport:
+    """Run `task`'s tests; `shared_tests` are copied to /tests first (a multi-step task's tests/ under a step's own)."""
     sandbox.exec(PREPARE, timeout_s=PREPARE_TIMEOUT_S)  # what it cannot clear, the upload and the tests meet
-    sandbox.upload(task.tests_dir, "/tests")
+    for tests in (*shared_tests, task.tests_dir):
+        sandbox.upload(tests, "/tests")
     # One exec: clearing stale results and running the tests together saves a sandbox start per episode.
     test_sh = provision.verifier_command(getattr(sandbox, "provision", None), "bash /tests/test.sh")  # uv offline
     command = f"rm -rf /logs/verifier && mkdir -p /logs/verifier && {test_sh} > /logs/verifier/test-stdout.txt 2>&1"

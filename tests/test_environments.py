@@ -151,6 +151,7 @@ def test_bwrap_environment_honours_every_instruction_and_is_built_once(tmp_path,
 
     nonce = uuid.uuid4().hex
     tasks = [load_task(_environment_task(tmp_path, name, nonce)) for name in ("first", "second")]
+    environments.stand_in_root("python:3.11-slim-bookworm")  # the FROM image's stand-in, which a fresh cache builds too
     builds = environments.builds["bwrap"]
     assert prepare_environments(tasks, bwrap_settings) == {}
     assert environments.builds["bwrap"] == builds + 1  # one environment, two tasks
