@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tbexp.agents.base import Agent, ShellSession, Turn
+from tbexp.policies import SampledTokens
 from tbexp.sandboxes.base import SandboxError, make_sandbox
 from tbexp.tasks.harbor_task import Task
 from tbexp.verifier import TestReport, VerifierError, verify
@@ -34,7 +35,7 @@ class Episode:
     invalid: str = ""  # why the episode cannot be scored; "" when it can
     time_s: dict[str, float] = field(default_factory=dict)  # start, agent, verify, stop
     messages: list[dict[str, str]] = field(default_factory=list)
-    policy: Any = None  # what acted; a model policy keeps the episode's sampled tokens (training reads them)
+    sampled: SampledTokens | None = None  # policy=model: the tokens as sampled, with their logprobs (training reads them)
 
     @property
     def n_commands(self) -> int:
@@ -50,7 +51,8 @@ def run_episode(task: Task, run: int, agent: Agent, policy_factory: PolicyFactor
     clock = time.perf_counter()
     sandbox = make_sandbox(sandbox_settings, task)
     try:
-        policy = episode.policy = policy_factory(task, agent)
+        policy = policy_factory(task, agent)
+        episode.sampled = getattr(policy, "sampled", None)  # the model policy fills it in as it acts
         sandbox.start()
         clock = _lap(episode, "start", clock)
         for local, remote in policy.uploads.items():
