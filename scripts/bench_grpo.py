@@ -49,17 +49,23 @@ def main() -> None:
     from tbexp.config import register
 
     register()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        cfg = compose("config", overrides=["+experiment=pipeline", *args.overrides])
-    checkpoint = args.checkpoint or _warm_checkpoint(cfg)
-
-    from tbexp.build import with_overrides
+    from tbexp.job import Job
+    from tbexp.stages import filter as filter_stage
     from tbexp.stages import grpo
 
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        cfg = compose("config", overrides=["+experiment=pipeline", *args.overrides])
+        bench = [f"grpo.steps={args.steps}", "grpo.eval_at_start=false", f"grpo.eval_every={10**6}", "grpo.eval_n_runs=1"]
+        job = Job(compose("config", overrides=["+experiment=pipeline", *bench, *args.overrides]))
+    checkpoint = args.checkpoint or _warm_checkpoint(cfg, job)
+
     run = Path(tempfile.mkdtemp(prefix="bench-grpo-"))
-    bench = with_overrides(cfg, policy="model", load_checkpoint=checkpoint, **{"grpo.steps": args.steps, "grpo.eval_at_start": False, "grpo.eval_every": 10**6, "grpo.eval_n_runs": 1})
     # The stage always scores its last step on the held-out tasks; that eval is not part of any step's time.
-    grpo.train(bench, run)
+    if job.cfg.task_filter.name == "none":
+        tasks = job.tasks("rl")
+    else:  # the RL tasks this checkpoint solves sometimes, as the pipeline picks them
+        tasks = grpo.kept_tasks(job, filter_stage.select_for_rl(job, run / "filter", checkpoint).path)
+    grpo.train(job, checkpoint, tasks, run)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "time/step" in r]
     episodes = cfg.grpo.groups_per_step * cfg.grpo.group_size
@@ -76,15 +82,20 @@ def main() -> None:
     print(f"mean: {step_s:.1f} s/step, {episodes / step_s:.2f} episodes/s; sample {mean['sample']:.0%}, sandboxes+tests {mean['sandbox']:.0%} (target <= 33%), train {mean['train']:.0%}")
 
 
-def _warm_checkpoint(cfg) -> str:
+def _warm_checkpoint(cfg, job) -> str:
     """A 100-step SFT of the tiny model, trained once per machine and kept."""
-    from tbexp.build import with_overrides
-    from tbexp.stages import sft
+    from hydra import compose, initialize_config_dir
 
-    folder = Path(cfg.tasks.cache_dir).parent / "bench" / "sft-100"
+    from tbexp.job import Job
+    from tbexp.stages import collect, sft
+
+    folder = job.cache_dir / "bench" / "sft-100"
     done = folder / "chosen_checkpoint.txt"
     if not done.exists():
-        sft.train(with_overrides(cfg, **{"sft.steps": 100, "sft.eval_every": 100}), folder)
+        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+            warm = Job(compose("config", overrides=["+experiment=pipeline", "sft.steps=100", "sft.eval_every=100"]))
+        warm.models = job.models  # one model load for both
+        sft.train(warm, collect.oracle_trajectories(warm), folder)
     return done.read_text().strip()
 
 

@@ -1,4 +1,4 @@
-"""`python -m tbexp`: compose the config, check it, seed, run one stage, return its objective.
+"""`python -m tbexp`: compose the config, check it, seed, build the job, run one stage, return its objective.
 
 Heavy libraries (torch, docker, harbor) are imported by the stage that needs
 them, so composing or printing a config (`--cfg job`) stays fast.
@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 
 from tbexp.config import check, register
 from tbexp.errors import TbexpError
+from tbexp.job import Job
 from tbexp.launchers import assign_local_job_gpus
 from tbexp.tracking import job_run, note_result
 
@@ -37,9 +38,11 @@ def main(cfg: DictConfig) -> float:
         assign_local_job_gpus()  # before any stage starts CUDA
         random.seed(cfg.seed)
         stage = importlib.import_module(f"tbexp.stages.{cfg.stage.name}")
+        job = Job(cfg)  # the one place that builds what the stages share
         with job_run(cfg):  # the job's one W&B / Trackio run, if logger says so
-            metrics = stage.run(cfg)
+            metrics = stage.run(job)
             note_result(metrics)  # the W&B report reads a sweep's objective from the runs' summaries
+        log.info("%d model load(s) in this job", job.models.loads)
     except TbexpError as err:  # bad input or a missing service: its message names the file or key
         print(f"tbexp: {err}", file=sys.stderr)
         raise SystemExit(2) from None

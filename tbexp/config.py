@@ -158,7 +158,7 @@ class BackendConfig:
 class TasksConfig:
     source: TaskSource = TaskSource.builtin  # dir: a Harbor dataset directory
     path: str = ""  # source=dir: directory of task directories
-    cache_dir: str = "${oc.env:TBEXP_CACHE,${oc.env:HOME}/.cache/tbexp}/tasks"
+    cache_dir: str = "${cache_dir}/tasks"  # where the built-in suite is written
     seed: int = 0  # builtin: generation seed
     train_per_family: int = 40
     heldout_per_family: int = 4
@@ -173,7 +173,7 @@ class TasksConfig:
 class SandboxConfig:
     _target_: str = "tbexp.sandboxes.bwrap.BwrapSandbox"
     name: str = "bwrap"
-    rootfs: str = "${oc.env:TBEXP_CACHE,${oc.env:HOME}/.cache/tbexp}/rootfs"  # bwrap: root file system (read-only)
+    rootfs: str = "${cache_dir}/rootfs"  # bwrap: root file system (read-only)
     base_image: str = "tbexp-base:bookworm"  # docker: tag the task Dockerfiles start FROM
     environment_source: str = "auto"  # bwrap: roots of other environments from docker | debootstrap | auto (docker if an engine answers)
     command_timeout_s: float = 30.0  # one exec; the command is killed after this
@@ -314,6 +314,7 @@ class Config:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     trial: TrialConfig = field(default_factory=TrialConfig)  # filled in by the sweeper
     load_checkpoint: str = ""  # a checkpoint directory (local) or tinker:// URI for policy=model; "" = the base model
+    cache_dir: str = "${oc.env:TBEXP_CACHE,${oc.env:HOME}/.cache/tbexp}"  # root of the tasks, rootfs and result caches
     policy: Policy = Policy.oracle  # model needs a training backend
     seed: int = 0
 

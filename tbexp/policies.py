@@ -6,8 +6,9 @@ turn when the script is a plain list of one-line commands (the built-in
 tasks are written that way, so their solutions double as agent turns), or
 else a single turn that runs the uploaded script. `nop` declares the task
 done at once. `model` samples each reply from a backend's sampler and keeps
-the episode's tokens exactly as sampled (`ModelPolicy.record`), so training
-on an episode uses the sampled tokens, never a re-tokenised copy.
+the episode's tokens exactly as sampled (`SampledTokens`, which the episode
+carries as `Episode.sampled`), so training on an episode uses the sampled
+tokens, never a re-tokenised copy.
 """
 
 from __future__ import annotations
@@ -93,38 +94,49 @@ class SampledTurn:
     logprobs: list[float]
 
 
+@dataclass
+class SampledTokens:
+    """An episode's tokens as the model saw and sampled them, and which of them it sampled, with their logprobs."""
+
+    tokens: list[int] = field(default_factory=list)  # the whole episode so far: prompt, replies, observations
+    turns: list[SampledTurn] = field(default_factory=list)  # each reply: where it starts, its tokens, their logprobs
+    sample_s: float = 0.0  # time spent sampling, waiting for the sampler included
+
+    @property
+    def n_sampled(self) -> int:
+        return sum(len(turn.tokens) for turn in self.turns)
+
+
 class ModelPolicy:
     def __init__(self, task: Task, agent: Agent, runtime: ModelRuntime, run: int = 0):
         self.uploads: dict[Path, str] = {}
         self.runtime = runtime
-        self.tokens: list[int] = []  # the whole episode so far, as the model saw and sampled it
-        self.record: list[SampledTurn] = []
-        self.sample_s = 0.0  # time spent sampling, waiting for the lock included
+        self.sampled = SampledTokens()
         self.done_reply = agent.format([], done=True)
         self._seed = None if runtime.seed is None else zlib.crc32(f"{runtime.seed}/{task.name}/{run}".encode())
 
     def act(self, messages: list[dict[str, str]]) -> str:
-        r = self.runtime
-        if not self.tokens:
-            self.tokens = r.renderer.initial_tokens(messages[0]["content"])
+        r, s = self.runtime, self.sampled
+        if not s.tokens:
+            s.tokens = r.renderer.initial_tokens(messages[0]["content"])
         else:
-            self.tokens = self.tokens + r.renderer.continuation_tokens(messages[-1]["content"], self.record[-1].tokens)
-        if len(self.tokens) + r.params.max_tokens > r.max_context_tokens:
+            s.tokens = s.tokens + r.renderer.continuation_tokens(messages[-1]["content"], s.turns[-1].tokens)
+        if len(s.tokens) + r.params.max_tokens > r.max_context_tokens:
             return self.done_reply  # out of context: end the episode rather than truncate what the model saw
         from tinker import types
 
-        params = r.params if self._seed is None else r.params.model_copy(update={"seed": self._seed + len(self.record)})
+        params = r.params if self._seed is None else r.params.model_copy(update={"seed": self._seed + len(s.turns)})
         start = time.perf_counter()
         if r.queue is not None:
             from tbexp.backends.batch_sampling import Request
 
-            sequence = r.queue.submit(Request(self.tokens, params))
+            sequence = r.queue.submit(Request(s.tokens, params))
         else:
             with r.lock:
-                sequence = r.sampler.sample(types.ModelInput.from_ints(self.tokens), 1, params).result()[0]
-        self.sample_s += time.perf_counter() - start
-        self.record.append(SampledTurn(len(self.tokens), list(sequence.tokens), list(sequence.logprobs)))
-        self.tokens = self.tokens + list(sequence.tokens)
+                sequence = r.sampler.sample(types.ModelInput.from_ints(s.tokens), 1, params).result()[0]
+        s.sample_s += time.perf_counter() - start
+        s.turns.append(SampledTurn(len(s.tokens), list(sequence.tokens), list(sequence.logprobs)))
+        s.tokens = s.tokens + list(sequence.tokens)
         return r.renderer.decode_reply(sequence.tokens)
 
 

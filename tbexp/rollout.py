@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tbexp.agents.base import Agent, ShellSession, Turn
+from tbexp.policies import SampledTokens
 from tbexp.sandboxes.base import SandboxError, make_sandbox
 from tbexp.tasks.harbor_task import Task
 from tbexp.verdicts import INFRA_ERRORS, NO_RESULT, judge, second_look
@@ -39,7 +40,7 @@ class Episode:
     damage: str = ""  # what the agent's commands broke (the episode is still scored); "" when nothing
     time_s: dict[str, float] = field(default_factory=dict)  # start, agent, verify, stop
     messages: list[dict[str, str]] = field(default_factory=list)
-    policy: Any = None  # what acted; a model policy keeps the episode's sampled tokens (training reads them)
+    sampled: SampledTokens | None = None  # policy=model: the tokens as sampled, with their logprobs (training reads them)
     step_reports: dict[str, TestReport] = field(default_factory=dict)  # a multi-step task's tests, step by step
 
     @property
@@ -62,7 +63,8 @@ def run_episode(task: Task, run: int, agent: Agent, policy_factory: PolicyFactor
             clock = _lap(episode, "start", clock)
             clock = _run_steps(episode, agent, policy_factory, sandbox, max_turns, clock)
         else:
-            policy = episode.policy = policy_factory(task, agent)
+            policy = policy_factory(task, agent)
+            episode.sampled = getattr(policy, "sampled", None)  # the model policy fills it in as it acts
             sandbox.start()
             clock = _lap(episode, "start", clock)
             for local, remote in policy.uploads.items():
@@ -138,14 +140,15 @@ def _run_steps(
     step's own over them) run and are cleared before the next step. A step below its `min_reward` ends the
     episode. The report is Harbor's trial reward: per-key means over the steps (or the last step's, with
     `multi_step_reward_strategy = "final"`), and every step's tests, named `step::test`.
-    Simplified: a model policy's sampled tokens are kept for the last step only (`episode.policy`).
+    Simplified: a model policy's sampled tokens are kept for the last step only (`episode.sampled`).
     """
     task, messages, shell = episode.task, [], ShellSession(sandbox, sandbox.workdir)
     spent_s = {"agent": 0.0, "verify": 0.0}  # summed over the steps
     for step in task.steps:
         step_task = task.for_step(step)
         _prepare_step(sandbox, step)
-        policy = episode.policy = policy_factory(step_task, agent)
+        policy = policy_factory(step_task, agent)
+        episode.sampled = getattr(policy, "sampled", None)
         for local, remote in policy.uploads.items():
             sandbox.upload(local, remote)
         _agent_loop(episode, agent, policy, shell, max_turns, step_task)

@@ -33,6 +33,21 @@ def compose_config(*overrides: str):
         return compose("config", overrides=list(overrides))
 
 
+def compose_job(*overrides: str):
+    """The job the entry point would build for these overrides (its run directory: the working directory)."""
+    from tbexp.job import Job
+
+    return Job(compose_config(*overrides))
+
+
+def collect_oracle(path: Path, *overrides: str) -> dict[str, float]:
+    """The oracle's verified conversations on the SFT tasks of the config these overrides compose, into `path`."""
+    from tbexp.stages.collect import collect
+
+    job = compose_job(*overrides)
+    return collect(job, job.tasks("sft"), "oracle", path).metrics
+
+
 @pytest.fixture(scope="session")
 def rootfs() -> Path:
     """The sandbox root; built by scripts/setup.sh, which the test command runs first."""

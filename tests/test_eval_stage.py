@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from tbexp.stages import eval as eval_stage
-from tests.conftest import REPO, compose_config, make_task
+from tests.conftest import REPO, compose_job, make_task
 
 METRICS = ("eval/reward", "eval/strict_success", "eval/pass@1", "eval/pass@1_stderr", "eval/valid_command_rate", "eval/avg_turns")
 SANDBOXES = ["bwrap", pytest.param("docker", marks=[pytest.mark.docker, pytest.mark.slow])]
@@ -19,8 +19,7 @@ SANDBOXES = ["bwrap", pytest.param("docker", marks=[pytest.mark.docker, pytest.m
 def _eval(tmp_path, monkeypatch, *overrides):
     tmp_path.mkdir(parents=True, exist_ok=True)
     monkeypatch.chdir(tmp_path)
-    cfg = compose_config("eval.concurrency=4", *overrides)
-    metrics = eval_stage.run(cfg)
+    metrics = eval_stage.run(compose_job("eval.concurrency=4", *overrides))
     rows = list(csv.DictReader((tmp_path / "tasks.csv").open()))
     return metrics, rows
 

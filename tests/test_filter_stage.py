@@ -8,6 +8,7 @@ import pytest
 
 from tbexp.config import ConfigError, check
 from tbexp.stages import filter as filter_stage
+from tbexp.job import Job
 from tests.conftest import compose_config, make_task
 
 COIN = "from pathlib import Path\ndef test_a():\n    assert True\ndef test_b():\n    assert True\ndef test_heads():\n    assert Path('/app/coin.txt').read_text().strip() == '1'\n"
@@ -29,7 +30,7 @@ def _filter(tmp_path, monkeypatch, candidates, *overrides):
     monkeypatch.chdir(run)
     cfg = compose_config("stage=filter", "tasks=dir", f"tasks.path={candidates}", f"tasks.cache_dir={tmp_path}/cache/tasks", "task_filter.k=16", *overrides)
     check(cfg)
-    return filter_stage.run(cfg), json.loads((run / "kept_tasks.json").read_text())
+    return filter_stage.run(Job(cfg)), json.loads((run / "kept_tasks.json").read_text())
 
 
 def test_keeps_the_tasks_between_the_bounds_and_caches_the_rates(tmp_path, monkeypatch, candidates):

@@ -1,99 +1,15 @@
-"""The GRPO stage: group advantages, datums on the sampled tokens, real steps in sandboxes, resume, robustness."""
+"""The GRPO stage: real steps in sandboxes, resume, robustness (its arithmetic: tests/test_advantages.py)."""
 
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tbexp.policies import SampledTurn
 from tbexp.stages import grpo as grpo_stage
-from tests.conftest import compose_config
-
-
-def _episode(task: str, reward_tests: dict[str, str], record: list[SampledTurn], tokens: list[int], invalid: str = ""):
-    from tbexp.verifier import TestReport
-
-    policy = SimpleNamespace(record=record, tokens=tokens, sample_s=0.0)
-    return SimpleNamespace(task=SimpleNamespace(name=task), invalid=invalid, report=TestReport(reward_tests), policy=policy, turns=[None] * len(record))
-
-
-def test_advantages_are_centred_per_group_and_sit_on_the_sampled_tokens_only():
-    # Prompt [1, 2], reply [3, 4] (sampled), observation [5], reply [6] (sampled).
-    record = [SampledTurn(2, [3, 4], [-0.1, -0.2]), SampledTurn(5, [6], [-0.3])]
-    tokens = [1, 2, 3, 4, 5, 6]
-    win, lose = _episode("t", {"a": "passed"}, record, tokens), _episode("t", {"a": "failed"}, record, tokens)
-    rewards = {id(win): 1.0, id(lose): 0.0}
-    datums, counts = grpo_stage._datums([win, lose], rewards, scale_by_std=False, reference=None, kl_coef=0.0)
-    assert counts["datums"] == 2 and counts["groups_skipped"] == 0 and counts["sampled_tokens"] == 6
-    d = datums[0].loss_fn_inputs
-    assert datums[0].model_input.to_ints() == tokens[:-1] and d["target_tokens"].tolist() == tokens[1:]
-    # target i is token i+1: tokens 3, 4 and 6 were sampled; the advantage is (1 - 0.5) / 6 sampled tokens
-    assert d["advantages"].tolist() == pytest.approx([0, 0.5 / 6, 0.5 / 6, 0, 0.5 / 6])
-    assert d["logprobs"].tolist() == pytest.approx([0, -0.1, -0.2, 0, -0.3])
-    assert datums[1].loss_fn_inputs["advantages"].tolist()[1] == pytest.approx(-0.5 / 6)
-
-
-def test_episode_normalisation_weighs_episodes_equally_whatever_their_length():
-    short, long = [SampledTurn(1, [2], [-0.1])], [SampledTurn(1, [2, 3, 4], [-0.1, -0.2, -0.3])]
-    win, lose = _episode("t", {"a": "passed"}, short, [1, 2]), _episode("t", {"a": "failed"}, long, [1, 2, 3, 4])
-    datums, _ = grpo_stage._datums([win, lose], {id(win): 1.0, id(lose): 0.0}, scale_by_std=False, reference=None, kl_coef=0.0, normalize="episode")
-    # each episode's advantage (±0.5) is spread over its own tokens, then averaged over the 2 episodes
-    assert datums[0].loss_fn_inputs["advantages"].tolist() == pytest.approx([0.5 / 2])
-    assert datums[1].loss_fn_inputs["advantages"].tolist() == pytest.approx([-0.5 / 6] * 3)
-    assert sum(datums[0].loss_fn_inputs["advantages"].tolist()) == pytest.approx(-sum(datums[1].loss_fn_inputs["advantages"].tolist()))
-
-
-def test_negative_weight_scales_only_the_below_mean_advantages():
-    record = [SampledTurn(1, [2], [-0.1])]
-    win, lose = _episode("t", {"a": "passed"}, record, [1, 2]), _episode("t", {"a": "failed"}, record, [1, 2])
-    rewards = {id(win): 1.0, id(lose): 0.0}
-    for weight in (0.25, 0.0):
-        datums, _ = grpo_stage._datums([win, lose], rewards, scale_by_std=False, reference=None, kl_coef=0.0, negative_weight=weight)
-        # the winner keeps +0.5 over the step's 2 sampled tokens; the loser's -0.5 is scaled by the weight
-        assert datums[0].loss_fn_inputs["advantages"].tolist() == pytest.approx([0.5 / 2])
-        assert datums[1].loss_fn_inputs["advantages"].tolist() == pytest.approx([-0.5 * weight / 2])
-
-
-def test_constant_groups_and_invalid_episodes_teach_nothing():
-    record = [SampledTurn(1, [2], [-0.5])]
-    same = [_episode("same", {"a": "passed"}, record, [1, 2]) for _ in range(3)]
-    broken = _episode("mixed", {}, record, [1, 2], invalid="SandboxError: gone")
-    mixed = [_episode("mixed", {"a": "passed"}, record, [1, 2]), _episode("mixed", {"a": "failed"}, record, [1, 2]), broken]
-    rewards = {id(ep): 1.0 for ep in same} | {id(mixed[0]): 1.0, id(mixed[1]): 0.0}
-    datums, counts = grpo_stage._datums(same + mixed, rewards, scale_by_std=True, reference=None, kl_coef=0.0)
-    assert counts["groups"] == 2 and counts["groups_skipped"] == 1 and counts["datums"] == 2
-    # scaled by the group's std (0.5): advantages ±1 per sampled token share
-    assert datums[0].loss_fn_inputs["advantages"].tolist() == pytest.approx([1.0 / 2], rel=1e-5)
-
-
-def test_a_damaged_episode_is_scored_zero_and_taught_against_not_dropped():
-    # The agent broke its own sandbox (tbexp.verdicts): the episode is not invalid, its report is empty.
-    from tbexp.scoring import score_episodes
-    from tbexp.verdicts import NO_RESULT
-
-    record = [SampledTurn(1, [2], [-0.5])]
-    win = _episode("t", {"a": "passed"}, record, [1, 2])
-    wrecked = _episode("t", {}, record, [1, 2])
-    wrecked.report, wrecked.damage = NO_RESULT, "the verifier gave no result after the agent's commands"
-    rewards = score_episodes([win, wrecked], SimpleNamespace(name="per_test"))
-    assert rewards == {id(win): 1.0, id(wrecked): 0.0}
-    datums, counts = grpo_stage._datums([win, wrecked], rewards, scale_by_std=False, reference=None, kl_coef=0.0)
-    assert counts["datums"] == 2 and counts["groups_skipped"] == 0
-    assert datums[1].loss_fn_inputs["advantages"].tolist() == pytest.approx([-0.5 / 2])  # below the group mean
-
-
-def test_kl_penalty_lowers_the_advantage_where_the_policy_left_its_start():
-    record = [SampledTurn(1, [2, 3], [-0.5, -0.5])]
-    a, b = _episode("t", {"a": "passed"}, record, [1, 2, 3]), _episode("t", {"a": "failed"}, record, [1, 2, 3])
-    reference = SimpleNamespace(compute_logprobs=lambda prompt: SimpleNamespace(result=lambda: [None, -1.5, -0.5]))
-    datums, counts = grpo_stage._datums([a, b], {id(a): 1.0, id(b): 0.0}, scale_by_std=False, reference=reference, kl_coef=0.1)
-    # token 2: log pi - log pi_start = -0.5 - (-1.5) = 1.0 -> advantage 0.5 - 0.1; token 3: no drift
-    assert datums[0].loss_fn_inputs["advantages"].tolist() == pytest.approx([(0.5 - 0.1) / 4, 0.5 / 4])
-    assert counts["kl_start"] == pytest.approx(2 * 1.0 / 4)
+from tests.conftest import collect_oracle, compose_config, compose_job
 
 
 @pytest.mark.parametrize("metric, expected", [("eval/reward", {4: 0.4, 8: 0.2, 12: 0.3}), ("grpo/best_reward", {4: 0.4, 8: 0.4, 12: 0.4})])
@@ -120,12 +36,11 @@ def test_a_sweep_trial_hears_the_latest_or_the_peak_held_out_reward(tmp_path, me
 def warm_start(tmp_path_factory, rootfs) -> str:
     """A checkpoint that solves the three RL tasks some of the time: a few SFT steps on their oracle turns."""
     from tbexp.stages import sft
-    from tbexp.stages.collect import collect
 
     folder = tmp_path_factory.mktemp("warm")
-    collect(compose_config("tasks.limit=3", "tasks.families=[file-move]", "collect.split=train"), folder / "gold.jsonl")
-    cfg = compose_config("stage=sft", f"sft.data={folder / 'gold.jsonl'}", "tasks.limit=3", "tasks.families=[file-move]", "sft.steps=30", "sft.batch_size=4", "sft.eval_every=30", "sft.learning_rate=0.01", "sft.val_fraction=0.34", "sft.patience=0")
-    return sft.train(cfg, folder / "sft")["sft/checkpoint"]
+    collect_oracle(folder / "gold.jsonl", "tasks.limit=3", "tasks.families=[file-move]", "collect.split=train")
+    job = compose_job("stage=sft", "tasks.limit=3", "tasks.families=[file-move]", "sft.steps=30", "sft.batch_size=4", "sft.eval_every=30", "sft.learning_rate=0.01", "sft.val_fraction=0.34", "sft.patience=0")
+    return sft.train(job, folder / "gold.jsonl", folder / "sft").checkpoint
 
 
 GRPO = ["stage=grpo", "policy=model", "reward=per_test", "task_filter=none", "tasks.limit=3", "tasks.families=[file-move]", "task_filter.max_tasks=0", "grpo.groups_per_step=3", "grpo.group_size=6", "grpo.temperature=1.2", "grpo.eval_every=2", "grpo.eval_n_runs=1", "sampling.max_tokens=48", "agent.max_turns=3"]
@@ -134,8 +49,7 @@ GRPO = ["stage=grpo", "policy=model", "reward=per_test", "task_filter=none", "ta
 def _grpo(run_dir, monkeypatch, checkpoint, *overrides):
     run_dir.mkdir(parents=True, exist_ok=True)
     monkeypatch.chdir(run_dir)
-    cfg = compose_config(*GRPO, f"load_checkpoint={checkpoint}", *overrides)
-    return grpo_stage.run(cfg)
+    return grpo_stage.run(compose_job(*GRPO, f"load_checkpoint={checkpoint}", *overrides))
 
 
 def _rows(run_dir):
@@ -172,10 +86,10 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_does(warm_start, tmp_path
     _grpo(tmp_path / "straight", monkeypatch, warm_start, *settings)
     real_step = grpo_stage._step
 
-    def dies_at_step_2(cfg, backend, reference, tasks, step):
+    def dies_at_step_2(job, backend, reference, tasks, step):
         if step == 2:
             raise KeyboardInterrupt  # killed during the third step, after the second step's checkpoint
-        return real_step(cfg, backend, reference, tasks, step)
+        return real_step(job, backend, reference, tasks, step)
 
     monkeypatch.setattr(grpo_stage, "_step", dies_at_step_2)
     with pytest.raises(KeyboardInterrupt):
@@ -222,6 +136,6 @@ def test_no_kept_tasks_is_a_clear_error(tmp_path):
 
     kept = tmp_path / "kept_tasks.json"
     kept.write_text(json.dumps({"kept": [], "rates": {"tbexp/file-move-0001": 0.0, "tbexp/file-move-0002": 1.0}}))
-    cfg = compose_config("stage=grpo", f"grpo.tasks_file={kept}", "tasks.limit=3", "tasks.families=[file-move]")
+    job = compose_job("stage=grpo", f"grpo.tasks_file={kept}", "tasks.limit=3", "tasks.families=[file-move]")
     with pytest.raises(DataError, match=r"no RL tasks kept \(solve rate in \[0.1, 0.8\] of 2 candidates rated\)"):
-        grpo_stage._rl_tasks(cfg, tmp_path)
+        grpo_stage.rl_tasks(job, "", tmp_path)

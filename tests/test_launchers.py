@@ -137,6 +137,7 @@ def sft_data(tmp_path) -> Path:
 
 @pytest.mark.slow
 def test_sft_checkpoints_on_sigterm_and_a_hard_kill_redoes_steps_only_once(sft_data, tmp_path, monkeypatch):
+    from tbexp.job import Job
     from tbexp.stages import sft as sft_stage
 
     real_batch = sft_stage.epoch_batch
@@ -153,7 +154,7 @@ def test_sft_checkpoints_on_sigterm_and_a_hard_kill_redoes_steps_only_once(sft_d
 
     interrupt_at(2, lambda: os.kill(os.getpid(), signal.SIGTERM))  # SLURM's requeue, during step 3
     with pytest.raises(SystemExit):
-        sft_stage.train(cfg, tmp_path)
+        sft_stage.train(Job(cfg), sft_data, tmp_path)
     state = json.loads((tmp_path / "sft_state.json").read_text())
     assert state["step"] == 3 and state["resume_checkpoint"].endswith("step-00003")  # step 3 finished and was saved
 
@@ -162,9 +163,9 @@ def test_sft_checkpoints_on_sigterm_and_a_hard_kill_redoes_steps_only_once(sft_d
 
     interrupt_at(8, killed)
     with pytest.raises(KeyboardInterrupt):
-        sft_stage.train(cfg, tmp_path)
+        sft_stage.train(Job(cfg), sft_data, tmp_path)
     monkeypatch.setattr(sft_stage, "epoch_batch", real_batch)
-    sft_stage.train(cfg, tmp_path)
+    sft_stage.train(Job(cfg), sft_data, tmp_path)
 
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert Counter(r["step"] for r in rows if "train/nll" in r) == Counter(range(1, 13))  # every step once

@@ -545,3 +545,39 @@ def test_batched_requests_get_what_each_would_get_alone(tmp_path):
     assert [len(s.tokens) for s in batched] == [6, 7, 8]
     for s, a in zip(batched, alone):
         assert s.logprobs == pytest.approx(a.logprobs, abs=1e-4)
+
+
+@pytest.mark.parametrize("merge", [True, False])
+def test_a_restarted_backend_trains_as_a_newly_built_one_and_checkpoint_samplers_leave_training_alone(tmp_path, merge):
+    """What the job's model host relies on: one loaded model serves every stage of a job."""
+    import random
+
+    data = [sft_datum([5, 6, 7, 8, 9, 10]), sft_datum([11, 12, 13, 14])]
+    adam = types.AdamParams(learning_rate=1e-2)
+    params = types.SamplingParams(max_tokens=8, temperature=1.0, seed=7, stop=[])
+
+    def steps(b, n=3):
+        losses = []
+        for _ in range(n):
+            losses.append(b.forward_backward(data, "cross_entropy").result().loss)
+            b.optim_step(adam).result()
+        return losses
+
+    fresh = backend(tmp_path / "fresh", merge_for_sampling=merge)
+    fresh_losses = steps(fresh)
+    checkpoint = fresh.save_state("trained")
+    base_reply = backend(tmp_path / "base", merge_for_sampling=merge).sampler().sample(types.ModelInput.from_ints([3, 4]), 1, params).result()[0]
+
+    shared = backend(tmp_path / "shared", merge_for_sampling=merge)
+    steps(shared, 2)  # a first training run on the loaded model
+    shared.restart(tmp_path / "second")
+    random.seed(123)
+    from_checkpoint = shared.checkpoint_sampler(checkpoint)
+    assert random.random() == random.Random(123).random()  # no random state was restored with the weights
+    assert steps(shared) == fresh_losses  # the second run: exactly what a newly built backend does
+    assert shared.save_state("x").startswith(str(tmp_path / "second"))
+
+    prompt = types.ModelInput.from_ints([3, 4])
+    trained_reply = fresh.sampler().sample(prompt, 1, params).result()[0]
+    assert from_checkpoint.sample(prompt, 1, params).result()[0] == trained_reply  # the checkpoint's weights
+    assert shared.checkpoint_sampler("").sample(prompt, 1, params).result()[0] == base_reply  # the base model's

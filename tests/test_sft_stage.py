@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from tbexp.stages import sft as sft_stage
-from tests.conftest import REPO, compose_config
+from tests.conftest import REPO, collect_oracle, compose_config, compose_job
 
 pytestmark = pytest.mark.slow
 
@@ -17,18 +17,14 @@ pytestmark = pytest.mark.slow
 def _sft(run_dir, monkeypatch, data, *overrides):
     run_dir.mkdir(parents=True, exist_ok=True)
     monkeypatch.chdir(run_dir)
-    cfg = compose_config("stage=sft", f"sft.data={data}", "sft.batch_size=4", "sft.eval_every=3", "sft.warmup_steps=1", "sft.patience=0", *overrides)
-    return sft_stage.run(cfg)
+    return sft_stage.run(compose_job("stage=sft", f"sft.data={data}", "sft.batch_size=4", "sft.eval_every=3", "sft.warmup_steps=1", "sft.patience=0", *overrides))
 
 
 @pytest.fixture(scope="module")
 def gold(tmp_path_factory, rootfs):
     """Verified oracle conversations of a dozen train tasks."""
-    from tbexp.stages.collect import collect
-
     path = tmp_path_factory.mktemp("gold") / "gold.jsonl"
-    cfg = compose_config("tasks.limit=12")
-    metrics = collect(cfg, path)
+    metrics = collect_oracle(path, "tasks.limit=12")
     assert metrics["collect/kept"] == 12.0
     return path
 

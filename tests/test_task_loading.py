@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from tbexp.tasks import TaskError, TaskSet, load_task, load_task_set, load_tasks
-from tests.conftest import compose_config, make_task
+from tests.conftest import compose_config, compose_job, make_task
 
 STEP_TEST_SH = """#!/bin/bash
 mkdir -p /logs/verifier
@@ -353,7 +353,7 @@ def test_the_eval_stage_lists_unloadable_tasks_and_counts_them(rootfs, tmp_path,
     broken = make_task(tasks, "broken")
     (broken / "instruction.md").unlink()
     monkeypatch.chdir(tmp_path)
-    metrics = eval_stage.run(compose_config("tasks=dir", f"tasks.path={tasks}", "policy=oracle"))
+    metrics = eval_stage.run(compose_job("tasks=dir", f"tasks.path={tasks}", "policy=oracle"))
     assert metrics["tasks/unloadable"] == 1.0 and metrics["eval/strict_success"] == 1.0
     assert json.loads((tmp_path / "unloadable_tasks.json").read_text()) == {
         str(broken): f"{broken}/instruction.md: missing (the agent's instruction)"

@@ -45,6 +45,10 @@ class StandInTraining:
     def save_state(self, name):
         return StandInFuture(self.log, "save_state", SimpleNamespace(path=f"tinker://run-1/weights/{name}"))
 
+    def save_weights_for_sampler(self, name):
+        self.log.append(f"save_weights_for_sampler {name}")
+        return StandInFuture(self.log, "save_weights_for_sampler", SimpleNamespace(path=f"tinker://run-1/sampler_weights/{name}"))
+
     def load_state_with_optimizer(self, path):
         self.log.append(f"load {path}")
         return StandInFuture(self.log, "load", None)
@@ -66,6 +70,10 @@ class StandInService:
     def create_training_client_from_state_with_optimizer(self, path):
         self.log.append(f"resume {path}")
         return StandInFuture(self.log, "create", StandInTraining(self.log))
+
+    def create_sampling_client(self, model_path=None, base_model=None):
+        self.log.append(f"create_sampling_client model_path={model_path} base_model={base_model}")
+        return StandInFuture(self.log, "sampling_client", SimpleNamespace(get_tokenizer=lambda: "tokenizer"))
 
 
 def _datum(n=3):
@@ -99,6 +107,31 @@ def test_checkpoints_are_tinker_uris_and_resume_with_the_optimizer():
     assert f"resume {uri}" in service.log
     with pytest.raises(BackendError, match="tinker://"):
         backend.load_state("/local/dir")
+
+
+def test_a_checkpoint_saves_sampler_weights_beside_its_state_and_samples_without_a_training_client(monkeypatch):
+    """The job's model host on backend=tinker, against the stand-in service (no real Tinker is reached)."""
+    from tbexp.job import Job
+    from tests.conftest import compose_config
+
+    service = StandInService()
+    uri = TinkerBackend("Qwen/Qwen3-8B", lora_rank=32, service_client=service).save_state("step-50")
+    assert "save_weights_for_sampler step-50" in service.log
+
+    import tbexp.backends.tinker_backend as tinker_backend
+
+    monkeypatch.setattr(tinker_backend, "_connect", lambda base_url: service)
+    models = Job(compose_config("backend=tinker", "model.lora_rank=8", "model.logit_scale=false", "model.name=Qwen/Qwen3-8B")).models
+    before = len(service.log)
+    assert models.sampler(uri).tokenizer == "tokenizer"
+    models.sampler("")
+    assert service.log[before:] == [
+        "create_sampling_client model_path=tinker://run-1/sampler_weights/step-50 base_model=None", "wait sampling_client",
+        "create_sampling_client model_path=None base_model=Qwen/Qwen3-8B", "wait sampling_client",
+    ]  # no training client: an eval needs no optimizer
+    assert models.loads == 0
+    with pytest.raises(BackendError, match="tinker://"):
+        models.sampler("/local/step-50")
 
 
 def test_sampling_maps_sequences():

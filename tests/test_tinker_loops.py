@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from tinker import types
 
-from tests.conftest import compose_config
+from tests.conftest import collect_oracle, compose_config, compose_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.sandbox]
 
@@ -61,7 +61,12 @@ class StandInTraining:
 
     def save_state(self, name):
         path = self.local.save_state(name)
-        return Later(self.log, "save_state", lambda: SimpleNamespace(path=f"tinker://stand-in/{Path(path).name}"))
+        return Later(self.log, "save_state", lambda: SimpleNamespace(path=f"tinker://stand-in/weights/{Path(path).name}"))
+
+    def save_weights_for_sampler(self, name):
+        self.log.append(f"save_weights_for_sampler {name}")
+        self.local.save_state(name)  # the stand-in keeps a checkpoint's sampler weights in its state's folder
+        return Later(self.log, "save_weights_for_sampler", lambda: SimpleNamespace(path=f"tinker://stand-in/sampler_weights/{name}"))
 
     def load_state_with_optimizer(self, uri):
         self.log.append(f"load_state_with_optimizer {uri}")
@@ -72,14 +77,17 @@ class StandInTraining:
         return Later(self.log, "load", lambda: self.local.load_weights(self.service.local_path(uri)))
 
     def save_weights_and_get_sampling_client(self):
-        sampler = self.local.sampler()
+        return Later(self.log, "sampling_client", lambda: _sampling_client(self.log, self.local.sampler()))
 
-        def sample(prompt, num_samples, sampling_params):
-            seqs = sampler.sample(prompt, num_samples, sampling_params).result()
-            return Later(self.log, "sample", lambda: SimpleNamespace(sequences=[SimpleNamespace(tokens=s.tokens, logprobs=s.logprobs, stop_reason=s.stop_reason) for s in seqs]))
 
-        client = SimpleNamespace(sample=sample, compute_logprobs=lambda prompt: sampler.compute_logprobs(prompt))
-        return Later(self.log, "sampling_client", lambda: client)
+def _sampling_client(log, sampler):
+    """A SamplingClient's methods over a local sampler."""
+
+    def sample(prompt, num_samples, sampling_params):
+        seqs = sampler.sample(prompt, num_samples, sampling_params).result()
+        return Later(log, "sample", lambda: SimpleNamespace(sequences=[SimpleNamespace(tokens=s.tokens, logprobs=s.logprobs, stop_reason=s.stop_reason) for s in seqs]))
+
+    return SimpleNamespace(sample=sample, compute_logprobs=lambda prompt: sampler.compute_logprobs(prompt), get_tokenizer=lambda: sampler.tokenizer)
 
 
 def _output(result):
@@ -90,9 +98,21 @@ def _output(result):
 class StandInService:
     def __init__(self, store: Path):
         self.store, self.log = store, []
+        self._sampling_engine = None
 
     def local_path(self, uri: str) -> str:
-        return str(self.store / uri.removeprefix("tinker://stand-in/"))
+        kind, name = uri.removeprefix("tinker://stand-in/").split("/")
+        assert kind in ("weights", "sampler_weights"), uri
+        return str(self.store / name)
+
+    def create_sampling_client(self, model_path=None, base_model=None):
+        """Sampling only, as the service does it: no training client, no optimizer."""
+        self.log.append(f"create_sampling_client {model_path or base_model}")
+        assert model_path is None or "/sampler_weights/" in model_path, "the service samples from sampler weights only"
+        if self._sampling_engine is None:  # the stand-in's own copy of the model to sample with
+            self._sampling_engine = StandInTraining(self, 8, 0).local
+        sampler = self._sampling_engine.checkpoint_sampler(self.local_path(model_path) if model_path else "")
+        return Later(self.log, "sampling_client", lambda: _sampling_client(self.log, sampler))
 
     def create_lora_training_client(self, base_model, rank, seed, train_attn, train_mlp, train_unembed):
         self.log.append(f"create {base_model} rank={rank}")
@@ -113,30 +133,32 @@ def tinker_service(tmp_path, monkeypatch):
 
 def test_sft_runs_unchanged_on_tinker_with_pipelined_steps_and_uri_checkpoints(rootfs, tmp_path, tinker_service):
     from tbexp.stages import sft
-    from tbexp.stages.collect import collect
 
-    collect(compose_config("tasks.limit=4", "tasks.families=[file-move]"), tmp_path / "gold.jsonl")
-    cfg = compose_config("backend=tinker", "model.lora_rank=8", "model.logit_scale=false", f"sft.data={tmp_path / 'gold.jsonl'}", "sft.steps=4", "sft.batch_size=2", "sft.eval_every=2", "sft.val_fraction=0.25", "sft.patience=0")
-    metrics = sft.train(cfg, tmp_path / "sft")
+    collect_oracle(tmp_path / "gold.jsonl", "tasks.limit=4", "tasks.families=[file-move]")
+    job = compose_job("backend=tinker", "model.lora_rank=8", "model.logit_scale=false", "sft.steps=4", "sft.batch_size=2", "sft.eval_every=2", "sft.val_fraction=0.25", "sft.patience=0")
+    result = sft.train(job, tmp_path / "gold.jsonl", tmp_path / "sft")
     state = json.loads((tmp_path / "sft" / "sft_state.json").read_text())
-    assert [e["checkpoint"] for e in state["evals"]] == ["tinker://stand-in/step-00002", "tinker://stand-in/step-00004"]
-    assert metrics["sft/checkpoint"].startswith("tinker://")
+    assert [e["checkpoint"] for e in state["evals"]] == ["tinker://stand-in/weights/step-00002", "tinker://stand-in/weights/step-00004"]
+    assert result.checkpoint.startswith("tinker://")
     log = tinker_service.log
     first = log.index("submit forward_backward cross_entropy")
     assert log[first : first + 4] == ["submit forward_backward cross_entropy", "submit optim_step", "wait forward_backward", "wait optim_step"]
 
 
 def test_grpo_runs_unchanged_on_tinker_from_a_tinker_checkpoint(rootfs, tmp_path, tinker_service):
+    from tbexp.build import make_backend
     from tbexp.stages import grpo
 
     # A starting checkpoint saved by the service: the stage loads its weights only (fresh optimizer).
     cfg = compose_config("backend=tinker", "model.lora_rank=8", "model.logit_scale=false", "policy=model")
-    from tbexp.build import make_backend
-
     start = make_backend(cfg, tmp_path / "unused").save_state("start")
     overrides = ["stage=grpo", "backend=tinker", "model.lora_rank=8", "model.logit_scale=false", "policy=model", f"load_checkpoint={start}", "tasks.limit=2", "tasks.families=[file-move]", "task_filter.k=1", "task_filter.lower=0.0", "task_filter.upper=1.0", "reward=per_test", "grpo.steps=1", "grpo.groups_per_step=2", "grpo.group_size=2", "grpo.eval_at_start=false", "grpo.eval_n_runs=1", "grpo.temperature=1.5", "sampling.max_tokens=24", "agent.max_turns=2"]
-    metrics = grpo.train(compose_config(*overrides), tmp_path / "grpo")
+    job = compose_job(*overrides)
+    result = grpo.train(job, start, grpo.rl_tasks(job, start, tmp_path / "grpo"), tmp_path / "grpo")
     assert f"load_state {start}" in tinker_service.log
-    assert metrics["grpo/checkpoint"] == "tinker://stand-in/step-00001"
+    assert result.checkpoint == "tinker://stand-in/weights/step-00001"
+    # The filter sampled the start through a sampling client; the one training client made here is GRPO's.
+    assert "create_sampling_client tinker://stand-in/sampler_weights/start" in tinker_service.log
+    assert sum(line.startswith("create ") for line in tinker_service.log) == 2  # the start's (above) and GRPO's
     rows = [json.loads(line) for line in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()]
     assert any("rollout/reward_mean" in r for r in rows) and any("heldout/reward" in r for r in rows)

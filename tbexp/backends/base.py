@@ -63,6 +63,8 @@ class SampledSequence:
 class Sampler(abc.ABC):
     """Samples from a fixed set of weights (a snapshot: later training does not change it)."""
 
+    tokenizer: Any  # the base model's tokenizer, which the renderer needs
+
     @abc.abstractmethod
     def sample(self, prompt: types.ModelInput, num_samples: int, params: types.SamplingParams) -> Future[list[SampledSequence]]: ...
 

@@ -129,6 +129,8 @@ class LocalBackend(TrainingBackend):
         if not isinstance(self._lm.get_output_embeddings(), torch.nn.Linear):
             raise ValueError("the LM head must be a plain nn.Linear (LoRA on lm_head is not supported)")
         self._params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        # The trainable weights as built (on the CPU): `restart` and the base model's sampler go back to them.
+        self._initial = {n: p.detach().cpu().clone() for n, p in self._params.items()}
         self._scale_name = next((n for n in self._params if is_logit_scale(n)), None)
         # lr factor of each optimizer group: the adapters (or every weight), then the logit scale. Kept here, not in
         # the groups, so that a saved optimizer state never brings its own (or lacks one).
@@ -207,6 +209,19 @@ class LocalBackend(TrainingBackend):
                 stats["logit_scale"] = float(self._params[self._scale_name].detach().exp())
         return Done(stats)
 
+    def restart(self, save_dir: str | Path, logit_scale_lr_factor: float = 0.0) -> None:
+        """A new training run on the loaded base model, as a newly built backend starts it: the initial trainable
+        weights, a fresh optimizer, step 0, checkpoints under `save_dir`. Samplers handed out keep their weights."""
+        self.save_dir = Path(save_dir)
+        self._lr_factors = (1.0, logit_scale_lr_factor)
+        with self._lock:
+            self._set_weights(self._initial_weights())
+            self.optimizer = self._new_optimizer()
+            self.step = 0
+
+    def _initial_weights(self) -> dict[str, torch.Tensor]:
+        return {n: t.to(self.device) for n, t in self._initial.items()}
+
     def _new_optimizer(self) -> torch.optim.AdamW:
         """AdamW over the trainable tensors; the logit scale, if any, in a second group (its lr factor: `_lr_factors`)."""
         rest = [p for n, p in self._params.items() if n != self._scale_name]
@@ -233,6 +248,19 @@ class LocalBackend(TrainingBackend):
                 with sampler._model() as (_, lm):
                     self._batcher = ContinuousBatcher(lm, self.tokenizer, self.eos_token_ids, snapshot=sampler, **self._batcher_options)
             return self._batcher
+
+    def checkpoint_sampler(self, path: str = "") -> LocalSampler:
+        """A sampler over the weights `save_state` wrote to `path` ("" = the initial ones: the base model's
+        behaviour), read without touching the training state: no optimizer, step or random state is restored."""
+        weights = self._read_weights(path, scale_optional=True) if path else self._initial_weights()
+        if self.merge_for_sampling:
+            with self._lock, self._weights(weights):  # swapped in for the copy, then back
+                merged = copy.deepcopy(self.model)
+            merged = merged.merge_and_unload() if isinstance(merged, PeftModel) else merged
+            return LocalSampler(self, merged.eval())
+        sampler = LocalSampler(self)
+        sampler._weights = weights  # never the live weights, so training later cannot change it
+        return sampler
 
     def _detach_samplers(self) -> None:
         """Give every sampler that still reads the live weights its own copy, before they change."""
@@ -343,6 +371,10 @@ class LocalSampler(Sampler):
         else:
             with b._lock, b._weights(self._weights):
                 yield b.model, b._lm
+
+    @property
+    def tokenizer(self):
+        return self._backend.tokenizer
 
     def sample(self, prompt: types.ModelInput, num_samples: int, params: types.SamplingParams) -> Future[list[SampledSequence]]:
         b = self._backend

@@ -78,7 +78,12 @@ class TinkerBackend(TrainingBackend):
         return TinkerSampler(self.client.save_weights_and_get_sampling_client().result())
 
     def save_state(self, name: str) -> str:
-        return self.client.save_state(name).result().path
+        """The state (weights and optimizer) at `tinker://…/weights/name`, and the weights for sampling beside it
+        at `…/sampler_weights/name`, where `sampling_client` finds them: an eval then needs no training client."""
+        sampler_save = self.client.save_weights_for_sampler(name)
+        path = self.client.save_state(name).result().path
+        sampler_save.result()
+        return path
 
     def load_state(self, path: str) -> None:
         if not path.startswith("tinker://"):
@@ -91,9 +96,23 @@ class TinkerBackend(TrainingBackend):
         self.client.load_state(path).result()
 
 
+def sampling_client(service_client: Any, base_model: str, checkpoint: str = "") -> TinkerSampler:
+    """A sampling client over `checkpoint`'s weights ("" = `base_model`'s), made by the service, with no training
+    client behind it. A checkpoint is a `save_state` URI; its sampler weights were saved beside it (`save_state`)."""
+    if not checkpoint:
+        return TinkerSampler(service_client.create_sampling_client(base_model=base_model).result())
+    if not checkpoint.startswith("tinker://") or "/weights/" not in checkpoint:
+        raise BackendError(f"backend=tinker samples from tinker://…/weights/… checkpoints (saved by save_state), not {checkpoint!r}")
+    return TinkerSampler(service_client.create_sampling_client(model_path=checkpoint.replace("/weights/", "/sampler_weights/", 1)).result())
+
+
 class TinkerSampler(Sampler):
     def __init__(self, client: Any):
         self.client = client
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.client.get_tokenizer()
 
     def sample(self, prompt: types.ModelInput, num_samples: int, params: types.SamplingParams) -> Future[list[SampledSequence]]:
         def convert(response: Any) -> list[SampledSequence]:

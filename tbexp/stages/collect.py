@@ -9,42 +9,64 @@ verified; a policy's unverified text never does.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tbexp.build import model_runtime, run_policy
-from tbexp.tasks import load_task_set
-from tbexp.tracking import Tracker, run_dir, write_summary
+from tbexp.build import run_policy
+from tbexp.tracking import write_summary
 from tbexp.trajectories import write_conversations
 
 log = logging.getLogger(__name__)
 
 
-def run(cfg: Any) -> dict[str, float]:
-    out = run_dir()
-    path = Path(cfg.collect.data) if cfg.collect.data else out / "trajectories.jsonl"
-    metrics = collect(cfg, path)
-    tracker = Tracker(out, cfg.logger)
+@dataclass(frozen=True)
+class Trajectories:
+    """Verified conversations in a jsonl file (tbexp.trajectories), and how many episodes it took."""
+
+    path: Path
+    metrics: dict[str, float]
+
+
+def run(job: Any) -> dict[str, float]:
+    cfg = job.cfg
+    path = Path(cfg.collect.data) if cfg.collect.data else job.run_dir / "trajectories.jsonl"
+    runtime = job.models.runtime(job.models.sampler(cfg.load_checkpoint), cfg.sampling, None) if cfg.policy == "model" else None
+    metrics = collect(job, job.tasks("sft"), cfg.policy, path, runtime).metrics
+    tracker = job.tracker(job.run_dir)
     tracker.log(metrics)
     tracker.finish()
-    write_summary(out, metrics)
+    write_summary(job.run_dir, metrics)
     return metrics
 
 
-def collect(cfg: Any, path: Path) -> dict[str, float]:
-    """Run `cfg.policy` on the `cfg.collect.split` tasks; write the verified successes to `path`."""
-    tasks = load_task_set(cfg.tasks, split=cfg.collect.split, part="sft")
-    runtime = model_runtime(cfg, path.parent / "checkpoints") if cfg.policy == "model" else None
-    episodes = run_policy(cfg, tasks, cfg.collect.n_runs, cfg.collect.concurrency, runtime, desc=f"collect {cfg.policy}")
+def collect(job: Any, tasks: list, policy: str, path: Path, runtime: Any = None) -> Trajectories:
+    """Run `policy` (with `runtime` for policy=model) on `tasks`; write the verified successes to `path`."""
+    c = job.cfg.collect
+    episodes = run_policy(job, tasks, c.n_runs, c.concurrency, policy, runtime, desc=f"collect {policy}")
     kept = sorted((ep for ep in episodes if not ep.invalid and ep.report.strict), key=lambda ep: (ep.task.name, ep.run))
-    rows = [{"task": ep.task.name, "family": ep.task.family, "agent": cfg.agent.name, "policy": cfg.policy, "reward": 1.0, "messages": ep.messages} for ep in kept]
+    rows = [{"task": ep.task.name, "family": ep.task.family, "agent": job.cfg.agent.name, "policy": policy, "reward": 1.0, "messages": ep.messages} for ep in kept]
     path.parent.mkdir(parents=True, exist_ok=True)
     write_conversations(path, rows)
     print(f"kept {len(kept)} of {len(episodes)} episodes (verified strict successes) -> {path}")
-    return {
+    return Trajectories(path, {
         "collect/episodes": float(len(episodes)),
         "collect/kept": float(len(kept)),
         "collect/success_rate": len(kept) / len(episodes) if episodes else 0.0,
         "collect/invalid_episodes": float(sum(1 for ep in episodes if ep.invalid)),
-    }
+    })
+
+
+def oracle_trajectories(job: Any) -> Path:
+    """The oracle's verified turns on the SFT tasks, collected once per task set and agent (under the cache)."""
+    cfg = job.cfg
+    tasks = job.tasks("sft")
+    names = [t.name for t in tasks]
+    key = hashlib.sha256(json.dumps([names, cfg.agent.name, str(cfg.tasks.path), cfg.tasks.seed]).encode()).hexdigest()[:16]
+    path = job.cache_dir / "trajectories" / f"oracle-{cfg.agent.name}-{len(names)}tasks-{key}.jsonl"
+    if not path.exists():
+        collect(job, tasks, "oracle", path)
+    return path

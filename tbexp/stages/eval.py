@@ -17,39 +17,41 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from tbexp.build import eval_seed, model_runtime, run_policy
+from tbexp.build import eval_seed, run_policy
 from tbexp.plots import plot_eval
 from tbexp.policies import POLICIES, ModelRuntime
 from tbexp.rollout import Episode
 from tbexp.scoring import no_valid_reason, score_episodes, summarize, task_rows
-from tbexp.tasks import load_task_set
-from tbexp.tracking import Tracker, run_dir, write_summary
+from tbexp.tracking import write_summary
 
 log = logging.getLogger(__name__)
 POLICY_NAMES = (*POLICIES, "model")  # an eval.candidates entry that is not one of these is a checkpoint
+# The numbers a held-out row is judged by, in the order tables show them, with their names in a table's head.
+ROW_METRICS = {"eval/strict_success": "strict success", "eval/reward": "per-test reward", "eval/pass@1": "pass@1", "eval/valid_command_rate": "valid-command rate", "eval/avg_turns": "avg turns"}
 
 
-def run(cfg: Any) -> dict[str, float]:
-    out = run_dir()
+def run(job: Any) -> dict[str, float]:
+    cfg, out = job.cfg, job.run_dir
     if cfg.eval.candidates:
-        return _compare_candidates(cfg, out)
-    runtime = model_runtime(cfg, out / "checkpoints", seed=eval_seed(cfg)) if cfg.policy == "model" else None
-    metrics = evaluate(cfg, out, runtime)
+        return _compare_candidates(job, out)
+    if cfg.policy == "model":
+        metrics = evaluate_checkpoint(job, out, cfg.load_checkpoint, label="")
+    else:
+        metrics = evaluate(job, out, cfg.policy)
     write_summary(out, metrics)
     print(f"run directory: {out}")
     return metrics
 
 
-def evaluate_checkpoint(cfg: Any, out: Path, checkpoint: str, label: str, quiet: bool = False) -> dict[str, float]:
-    """policy=model from `checkpoint` ("" = the base model) on `cfg.tasks`."""
-    model_cfg = cfg.copy()
-    model_cfg.policy, model_cfg.load_checkpoint = "model", checkpoint
-    return evaluate(model_cfg, out, model_runtime(model_cfg, out / "checkpoints", seed=eval_seed(cfg)), label=label, quiet=quiet)
+def evaluate_checkpoint(job: Any, out: Path, checkpoint: str, label: str, quiet: bool = False) -> dict[str, float]:
+    """policy=model from `checkpoint`'s weights ("" = the base model) on the held-out tasks, on the eval draws."""
+    runtime = job.models.runtime(job.models.sampler(checkpoint), job.cfg.sampling, eval_seed(job.cfg))
+    return evaluate(job, out, "model", runtime, label=label, quiet=quiet)
 
 
 def compare(rows: dict[str, dict[str, float]]) -> str:
     """One table, a column per candidate: the numbers a promotion decision reads."""
-    keys = ["eval/strict_success", "eval/reward", "eval/pass@1", "eval/valid_command_rate", "eval/avg_turns"]
+    keys = list(ROW_METRICS)
     width = max(10, *(len(name) for name in rows))
     lines = [f"{'':26}" + "".join(f" {name:>{width}}" for name in rows)]
     for k in keys:
@@ -58,19 +60,17 @@ def compare(rows: dict[str, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
-def _compare_candidates(cfg: Any, out: Path) -> dict[str, float]:
+def _compare_candidates(job: Any, out: Path) -> dict[str, float]:
     """Score every `eval.candidates` entry; the first is the incumbent, the best challenger is promoted if it beats it."""
+    cfg = job.cfg
     rows: dict[str, dict[str, float]] = {}
     for candidate in cfg.eval.candidates:
         label = Path(candidate).name if candidate not in POLICY_NAMES else candidate
         folder = out / "candidates" / f"{len(rows):02d}-{label.replace('/', '_')}"
-        if candidate in POLICY_NAMES:
-            policy_cfg = cfg.copy()
-            policy_cfg.policy, policy_cfg.load_checkpoint = candidate, ""
-            runtime = model_runtime(policy_cfg, folder / "checkpoints", seed=eval_seed(cfg)) if candidate == "model" else None
-            rows[label] = evaluate(policy_cfg, folder, runtime, label=label, quiet=True)
-        else:
-            rows[label] = evaluate_checkpoint(cfg, folder, candidate, label=label, quiet=True)
+        if candidate in POLICY_NAMES and candidate != "model":
+            rows[label] = evaluate(job, folder, candidate, label=label, quiet=True)
+        else:  # "model" is the base model
+            rows[label] = evaluate_checkpoint(job, folder, "" if candidate == "model" else candidate, label=label, quiet=True)
     verdict = promotion(rows, cfg.eval.promote_by, cfg.eval.promote_margin)
     print(compare(rows))
     print(verdict["message"])
@@ -104,20 +104,21 @@ def promotion(rows: dict[str, dict[str, float]], metric: str, margin: float) -> 
     return {"chosen": chosen, "promoted": promoted, "metric": metric, "gain": gain, "message": f"{verb} {chosen}: {challenger} {'+' if gain >= 0 else ''}{gain:.3f} {metric} over {incumbent} (margin {margin})"}
 
 
-def evaluate(cfg: Any, out: Path, runtime: ModelRuntime | None = None, label: str = "", quiet: bool = False) -> dict[str, float]:
-    """Score `cfg.policy` (with `runtime` for policy=model) on `cfg.tasks`; files go under `out`.
-
-    `quiet` prints one line instead of the per-task table (evals inside a training loop).
+def evaluate(job: Any, out: Path, policy: str, runtime: ModelRuntime | None = None, label: str = "", quiet: bool = False, n_runs: int = 0) -> dict[str, float]:
+    """Score `policy` (with `runtime` for policy=model) on the held-out tasks, `n_runs` (0: `eval.n_runs`) each;
+    files go under `out`. `quiet` prints one line instead of the per-task table (evals inside a training loop).
     """
+    cfg = job.cfg
     out.mkdir(parents=True, exist_ok=True)
-    tasks = load_task_set(cfg.tasks)
+    tasks = job.tasks("heldout")
     (out / "unloadable_tasks.json").write_text(json.dumps(tasks.unloadable, indent=1))  # task dir -> reason
     if tasks.unloadable:
         reasons = out / "unloadable_tasks.json"
         print(f"{len(tasks.unloadable)} task(s) cannot be loaded and are left out; reasons in {reasons}")
-    name = label or cfg.policy
-    log.info("eval %s: %d tasks x %d runs, sandbox=%s, agent=%s", name, len(tasks), cfg.eval.n_runs, cfg.sandbox.name, cfg.agent.name)
-    episodes = run_policy(cfg, tasks, cfg.eval.n_runs, cfg.eval.concurrency, runtime, desc=f"eval {name}")
+    name = label or policy
+    n_runs = n_runs or cfg.eval.n_runs
+    log.info("eval %s: %d tasks x %d runs, sandbox=%s, agent=%s", name, len(tasks), n_runs, cfg.sandbox.name, cfg.agent.name)
+    episodes = run_policy(job, tasks, n_runs, cfg.eval.concurrency, policy, runtime, desc=f"eval {name}")
     episodes.sort(key=lambda ep: (ep.task.name, ep.run))
 
     # eval/reward is the per-test fraction whatever reward= trains with, so runs stay comparable;
@@ -132,7 +133,7 @@ def evaluate(cfg: Any, out: Path, runtime: ModelRuntime | None = None, label: st
     why_nan = no_valid_reason(episodes)
     if why_nan:
         log.warning("eval %s: every metric over scored episodes is NaN: %s", name, why_nan)
-    tracker = Tracker(out, cfg.logger)
+    tracker = job.tracker(out)
     tracker.log({f"{label}/{k}" if label else k: v for k, v in metrics.items()})
     tracker.log_table(f"{label}/eval/per_task" if label else "eval/per_task", rows)  # tasks.csv, for W&B / Trackio
     tracker.finish()

@@ -1,10 +1,10 @@
 """The filter stage: keep the RL tasks a checkpoint solves sometimes, but not always.
 
-build (candidate tasks = `task_filter.split`, the policy: normally
-`policy=model` with `load_checkpoint`) → sample `k` episodes per task in fresh sandboxes (or
-read them from the cache) → strict solve rate per task with a Wilson 95%
+build (candidate tasks = the job's `rl` set from `task_filter.split`; the
+policy: normally the model from a checkpoint, `select_for_rl`) → sample `k`
+episodes per task in fresh sandboxes (or read them from the cache) → strict solve rate per task with a Wilson 95%
 interval → keep the tasks whose rate lies in [lower, upper] → write
-`kept_tasks.json` and the per-task table → return counts.
+`kept_tasks.json` and the per-task table → a `Selection`.
 
 Results are cached under `<cache>/filter/` by a hash of everything that
 decides them: the checkpoint (its path and file contents, or its tinker://
@@ -20,37 +20,62 @@ import json
 import logging
 import math
 import random
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 
-from tbexp.build import checkpoint_bytes, model_runtime, run_policy
-from tbexp.tasks import load_task_set
-from tbexp.tracking import Tracker, run_dir, write_summary
+from tbexp.build import checkpoint_bytes, run_policy
+from tbexp.tracking import write_summary
 
 log = logging.getLogger(__name__)
 
 
-def run(cfg: Any) -> dict[str, float]:
-    out = run_dir()
-    metrics = select(cfg, out)
-    write_summary(out, metrics)
+@dataclass(frozen=True)
+class Selection:
+    """The RL tasks kept, written to `path` (kept_tasks.json), and the filter's counts (`filter/…`)."""
+
+    path: Path
+    kept: list[str]
+    metrics: dict[str, float]
+
+    def summary(self) -> dict[str, Any]:
+        return {**self.metrics, "filter/kept_tasks": str(self.path)}
+
+    @classmethod
+    def from_summary(cls, summary: dict[str, Any]) -> Selection:
+        path = Path(summary["filter/kept_tasks"])
+        return cls(path, json.loads(path.read_text())["kept"], {k: v for k, v in summary.items() if k != "filter/kept_tasks"})
+
+
+def run(job: Any) -> dict[str, Any]:
+    cfg = job.cfg
+    metrics = select(job, job.run_dir, cfg.policy, cfg.load_checkpoint, cfg.sampling).summary()
+    write_summary(job.run_dir, metrics)
     return metrics
 
 
-def select(cfg: Any, out: Path) -> dict[str, Any]:
-    """Rate the candidates, write `out/kept_tasks.json`; return counts with its path under `filter/kept_tasks`."""
-    f = cfg.task_filter
-    tasks = load_task_set(cfg.tasks, split=f.split, part="rl")
+def select_for_rl(job: Any, out: Path, checkpoint: str) -> Selection:
+    """`select` as RL needs it: the model from `checkpoint`, sampled at the temperature GRPO rolls out at,
+    since that is the rate that decides whether a group teaches anything."""
+    settings = OmegaConf.merge(job.cfg.sampling, {"temperature": job.cfg.grpo.temperature})
+    return select(job, out, "model", checkpoint, settings)
+
+
+def select(job: Any, out: Path, policy: str, checkpoint: str, sampling: Any) -> Selection:
+    """Rate the candidates with `policy` (policy=model: the weights of `checkpoint`, "" = the base model's,
+    sampled with the `sampling` settings); write `out/kept_tasks.json`."""
+    f = job.cfg.task_filter
+    tasks = job.tasks("rl")
     if f.max_tasks and f.max_tasks < len(tasks):
-        tasks = sorted(random.Random(cfg.seed).sample(tasks, f.max_tasks), key=lambda t: t.name)
+        tasks = sorted(random.Random(job.cfg.seed).sample(tasks, f.max_tasks), key=lambda t: t.name)
     if f.name == "none":
         rates = {t.name: (float("nan"), 0) for t in tasks}
         kept = [t.name for t in tasks]
     else:
         _warn_if_k_too_small(f.k, f.lower)
-        rates = _solve_rates(cfg, tasks, out)
+        rates = _solve_rates(job, tasks, policy, checkpoint, sampling)
         kept = [name for name, (rate, _) in sorted(rates.items()) if f.lower <= rate <= f.upper]
     out.mkdir(parents=True, exist_ok=True)
     (out / "kept_tasks.json").write_text(json.dumps({"kept": kept, "rates": {n: r for n, (r, _) in rates.items()}}, indent=1))
@@ -60,28 +85,20 @@ def select(cfg: Any, out: Path) -> dict[str, Any]:
     metrics = {"filter/candidates": float(len(tasks)), "filter/kept": float(len(kept))}
     if f.name != "none":
         metrics["filter/mean_solve_rate"] = sum(r for r, _ in rates.values()) / len(rates)
-    tracker = Tracker(out, cfg.logger)
+    tracker = job.tracker(out)
     tracker.log(metrics)
     tracker.finish()
-    return {**metrics, "filter/kept_tasks": str(out / "kept_tasks.json")}
+    return Selection(out / "kept_tasks.json", kept, metrics)
 
 
-def select_for_rl(cfg: Any, out: Path, checkpoint: str) -> dict[str, Any]:
-    """`select` as RL needs it: the model from `checkpoint`, sampled at the temperature GRPO rolls out at,
-    since that is the rate that decides whether a group teaches anything."""
-    from tbexp.build import with_overrides
-
-    return select(with_overrides(cfg, policy="model", load_checkpoint=checkpoint, **{"sampling.temperature": cfg.grpo.temperature}), out)
-
-
-def _solve_rates(cfg: Any, tasks: list, out: Path) -> dict[str, tuple[float, int]]:
+def _solve_rates(job: Any, tasks: list, policy: str, checkpoint: str, sampling: Any) -> dict[str, tuple[float, int]]:
     """{task: (strict solve rate, valid samples)}, from the cache when the same inputs were sampled before."""
-    cache = Path(cfg.tasks.cache_dir).parent / "filter" / f"{_cache_key(cfg, tasks)}.json"
+    cache = job.cache_dir / "filter" / f"{_cache_key(job.cfg, tasks, policy, checkpoint, sampling)}.json"
     if cache.exists():
         log.info("filter: solve rates from the cache %s", cache)
         return {name: tuple(v) for name, v in json.loads(cache.read_text()).items()}
-    runtime = model_runtime(cfg, out / "checkpoints", seed=cfg.seed * 7919 + 29) if cfg.policy == "model" else None  # reproducible rates
-    episodes = run_policy(cfg, tasks, cfg.task_filter.k, cfg.eval.concurrency, runtime, desc="filter")
+    runtime = job.models.runtime(job.models.sampler(checkpoint), sampling, seed=job.cfg.seed * 7919 + 29) if policy == "model" else None  # reproducible rates
+    episodes = run_policy(job, tasks, job.cfg.task_filter.k, job.cfg.eval.concurrency, policy, runtime, desc="filter")
     rates = {}
     for task in tasks:
         valid = [ep for ep in episodes if ep.task.name == task.name and not ep.invalid]
@@ -91,10 +108,9 @@ def _solve_rates(cfg: Any, tasks: list, out: Path) -> dict[str, tuple[float, int
     return rates
 
 
-def _cache_key(cfg: Any, tasks: list) -> str:
+def _cache_key(cfg: Any, tasks: list, policy: str, checkpoint: str, sampling: Any) -> str:
     h = hashlib.sha256()
-    checkpoint = cfg.load_checkpoint
-    h.update(json.dumps({"model": OmegaConf.to_container(cfg.model), "checkpoint": checkpoint, "policy": cfg.policy, "tasks": [t.name for t in tasks], "k": cfg.task_filter.k, "agent": OmegaConf.to_container(cfg.agent), "sampling": OmegaConf.to_container(cfg.sampling), "suite_seed": cfg.tasks.seed}, sort_keys=True).encode())
+    h.update(json.dumps({"model": OmegaConf.to_container(cfg.model), "checkpoint": checkpoint, "policy": policy, "tasks": [t.name for t in tasks], "k": cfg.task_filter.k, "agent": OmegaConf.to_container(cfg.agent), "sampling": OmegaConf.to_container(sampling), "suite_seed": cfg.tasks.seed}, sort_keys=True).encode())
     for part in checkpoint_bytes(checkpoint):  # a local checkpoint: its contents, not just its name
         h.update(part)
     return h.hexdigest()[:24]

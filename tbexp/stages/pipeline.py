@@ -29,41 +29,44 @@ from pathlib import Path
 from typing import Any, Callable
 
 
-from tbexp.build import with_overrides
-from tbexp.tracking import Tracker, run_dir, write_summary
+from tbexp.tracking import write_summary
 
 log = logging.getLogger(__name__)
 
 
-def run(cfg: Any) -> dict[str, float]:
+def run(job: Any) -> dict[str, float]:
+    from tbexp.stages import collect, grpo, sft
     from tbexp.stages import filter as filter_stage
-    from tbexp.stages import grpo, sft
     from tbexp.stages.eval import compare, evaluate_checkpoint, promotion
 
-    out = run_dir()
+    cfg, out = job.cfg, job.run_dir
     done = _Done(out / "pipeline_state.json")
     parts = cfg.pipeline.stages
     checkpoint = cfg.load_checkpoint  # "" = the base model
+    data = Path(cfg.sft.data) if cfg.sft.data else None
+    rl_tasks = None  # without a filter part: as stage=grpo chooses them (grpo.rl_tasks)
 
     if "collect" in parts:
-        data = done.get("collect", lambda: {"collect/data": str(sft.oracle_trajectories(cfg))})["collect/data"]
-        cfg = with_overrides(cfg, **{"sft.data": data})
+        data = Path(done.get("collect", lambda: {"collect/data": str(collect.oracle_trajectories(job))})["collect/data"])
     if "sft" in parts:
-        folder = _sft_folder(cfg, out)
-        training = done.get("sft_training", lambda: _one_at_a_time(folder, lambda: sft.train(cfg, folder)))
-        checkpoint = training["sft/checkpoint"]
-        done.get("base", lambda: _eval_once(cfg, out, "eval_base", cfg.load_checkpoint, label="base"))
-        done.get("sft_eval", lambda: _eval_once(cfg, out, "eval_sft", checkpoint, label="sft"))
+        folder = _sft_folder(job, out, data)
+        trained = done.get("sft_training", lambda: _one_at_a_time(folder, lambda: sft.train(job, data or collect.oracle_trajectories(job), folder).summary()))
+        checkpoint = sft.SFTResult.from_summary(trained).checkpoint
+        done.get("base", lambda: _eval_once(job, out, "eval_base", cfg.load_checkpoint, label="base"))
+        done.get("sft_eval", lambda: _eval_once(job, out, "eval_sft", checkpoint, label="sft"))
     if "filter" in parts:
-        kept = done.get("filter", lambda: filter_stage.select_for_rl(cfg, out / "filter", checkpoint))
-        cfg = with_overrides(cfg, **{"grpo.tasks_file": kept["filter/kept_tasks"]})
+        selection = filter_stage.Selection.from_summary(done.get("filter", lambda: filter_stage.select_for_rl(job, out / "filter", checkpoint).summary()))
+        rl_tasks = grpo.kept_tasks(job, selection.path)
     if "grpo" in parts:
-        rl = done.get("grpo", lambda: grpo.train(with_overrides(cfg, load_checkpoint=checkpoint), out / "grpo"))
-        checkpoint = rl["grpo/checkpoint"]
+        if rl_tasks is None:
+            rl_tasks = grpo.rl_tasks(job, checkpoint, out / "grpo")
+        rl = grpo.RLResult.from_summary(done.get("grpo", lambda: grpo.train(job, checkpoint, rl_tasks, out / "grpo").summary()))
+        checkpoint = rl.checkpoint
         if (out / "grpo" / "grpo.png").exists():
             shutil.copyfile(out / "grpo" / "grpo.png", out / "rl_curve.png")
     if "eval" in parts and ("grpo" in parts or "sft" not in parts):  # an SFT-only pipeline's last row is the sft row
-        done.get("final_eval", lambda: evaluate_checkpoint(cfg, out / "eval_final", checkpoint, label="sft+rl" if "grpo" in parts else "final", quiet=True))
+        label = "sft+rl" if "grpo" in parts else "final"
+        done.get("final_eval", lambda: evaluate_checkpoint(job, out / "eval_final", checkpoint, label=label, quiet=True))
 
     names = {"base": "base", "sft_eval": "sft", "final_eval": "rl" if "grpo" in parts else "final"}
     rows = {name: done.results[key] for key, name in names.items() if key in done.results}
@@ -75,7 +78,7 @@ def run(cfg: Any) -> dict[str, float]:
     write_summary(out, summary)
     (out / "table.md").write_text(_markdown(rows) + ("\n" + summary["promotion"]["message"] + "\n" if "promotion" in summary else "") if rows else table + "\n")
     print(table)
-    tracker = Tracker(out, cfg.logger)
+    tracker = job.tracker(out)
     tracker.log({f"{name}/{k}": v for name, metrics in rows.items() for k, v in metrics.items()})
     tracker.finish()
     print(f"run directory: {out}")
@@ -83,23 +86,25 @@ def run(cfg: Any) -> dict[str, float]:
     return {k: v for k, v in final.items() if isinstance(v, float)}
 
 
-def _sft_folder(cfg: Any, out: Path) -> Path:
+def _sft_folder(job: Any, out: Path, data: Path | None) -> Path:
     """Where SFT trains: with `pipeline.cache_sft`, a folder named by everything that decides its result.
 
     Sweep trials (or re-runs) that share model, SFT settings, data, tasks and
     seed then reuse one training instead of repeating it; `<run>/sft` links there.
     """
+    cfg = job.cfg
     if not cfg.pipeline.cache_sft:
         return out / "sft"
     from omegaconf import OmegaConf
 
     decided_by = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "sft", "agent", "tasks")}
     decided_by["tasks"].pop("split", None)  # the eval split does not change what SFT trains on
-    data = [Path(cfg.sft.data).read_bytes()] if cfg.sft.data and Path(cfg.sft.data).is_file() else []
-    return _shared_folder(cfg, out / "sft", "sft", [json.dumps({**decided_by, "seed": cfg.seed, "backend": cfg.backend.name}, sort_keys=True).encode(), *data])
+    decided_by["sft"]["data"] = str(data) if data else ""
+    contents = [data.read_bytes()] if data and data.is_file() else []
+    return _shared_folder(job, out / "sft", "sft", [json.dumps({**decided_by, "seed": cfg.seed, "backend": cfg.backend.name}, sort_keys=True).encode(), *contents])
 
 
-def _eval_once(cfg: Any, out: Path, name: str, checkpoint: str, label: str) -> dict[str, float]:
+def _eval_once(job: Any, out: Path, name: str, checkpoint: str, label: str) -> dict[str, float]:
     """The held-out eval of `checkpoint` ("" = the base model) in `out/name`.
 
     With `pipeline.cache_evals` it runs once per content: in a folder named by
@@ -112,34 +117,35 @@ def _eval_once(cfg: Any, out: Path, name: str, checkpoint: str, label: str) -> d
     from tbexp.build import checkpoint_bytes
     from tbexp.stages.eval import evaluate_checkpoint
 
+    cfg = job.cfg
     if not cfg.pipeline.cache_evals:
-        return evaluate_checkpoint(cfg, out / name, checkpoint, label=label, quiet=True)
+        return evaluate_checkpoint(job, out / name, checkpoint, label=label, quiet=True)
     decided_by = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "tasks", "agent", "sandbox", "sampling", "eval", "reward", "backend")}
     # Left out: how many episodes run at once (each reply's seed is its own) and torch's thread counts change no result.
     decided_by["eval"].pop("concurrency")
     for key in ("threads", "train_threads"):
         decided_by["backend"].pop(key)
     key = json.dumps({**decided_by, "seed": cfg.seed, "checkpoint": checkpoint, "label": label}, sort_keys=True).encode()
-    folder = _shared_folder(cfg, out / name, "evals", [key, *checkpoint_bytes(checkpoint)])
+    folder = _shared_folder(job, out / name, "evals", [key, *checkpoint_bytes(checkpoint)])
 
     def work() -> dict[str, float]:
         result = folder / "result.json"
         if result.exists():
             log.info("pipeline: the %s row from the cache %s", label, folder)
             return json.loads(result.read_text())
-        metrics = evaluate_checkpoint(cfg, folder, checkpoint, label=label, quiet=True)
+        metrics = evaluate_checkpoint(job, folder, checkpoint, label=label, quiet=True)
         result.write_text(json.dumps(metrics))
         return metrics
 
     return _one_at_a_time(folder, work)
 
 
-def _shared_folder(cfg: Any, link: Path, kind: str, decided_by: list[bytes]) -> Path:
+def _shared_folder(job: Any, link: Path, kind: str, decided_by: list[bytes]) -> Path:
     """`<cache>/<kind>/<hash of decided_by>`, created, with `link` pointing there."""
     h = hashlib.sha256()
     for part in decided_by:
         h.update(part)
-    folder = Path(cfg.tasks.cache_dir).parent / kind / h.hexdigest()[:20]
+    folder = job.cache_dir / kind / h.hexdigest()[:20]
     folder.mkdir(parents=True, exist_ok=True)
     if not link.exists():
         link.symlink_to(folder, target_is_directory=True)
@@ -175,7 +181,9 @@ class _Done:
 
 
 def _markdown(rows: dict[str, dict[str, float]]) -> str:
-    keys = [("strict success", "eval/strict_success"), ("per-test reward", "eval/reward"), ("pass@1", "eval/pass@1"), ("valid-command rate", "eval/valid_command_rate"), ("avg turns", "eval/avg_turns")]
+    from tbexp.stages.eval import ROW_METRICS
+
+    keys = [(label, key) for key, label in ROW_METRICS.items()]
     lines = ["| held-out | " + " | ".join(label for label, _ in keys) + " |", "|---" * (len(keys) + 1) + "|"]
     for name, m in rows.items():
         cells = [f"{m[k]:.3f}" if k != "eval/pass@1" else f"{m[k]:.3f} ± {m['eval/pass@1_stderr']:.3f}" for _, k in keys]

@@ -21,7 +21,6 @@ it, so no step runs twice.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import random
@@ -29,37 +28,49 @@ from pathlib import Path
 from typing import Any
 
 from tbexp import trial
-from tbexp.build import make_backend
+from tbexp.job import TrainedCheckpoint
 from tbexp.preemption import interruptible
 from tbexp.schedule import epoch_batch, learning_rate
-from tbexp.tracking import Tracker, run_dir, write_summary
+from tbexp.tracking import write_summary
 
 log = logging.getLogger(__name__)
 
 
-def run(cfg: Any) -> dict[str, float]:
-    out = run_dir()
-    metrics = train(cfg, out)
-    summary: dict[str, Any] = {"sft_training": metrics}
+class SFTResult(TrainedCheckpoint):
+    """The chosen checkpoint (lowest held-out NLL) and the run's numbers (`sft/…`)."""
+
+    KEY = "sft/checkpoint"
+
+
+def run(job: Any) -> dict[str, float]:
+    from tbexp.stages.collect import oracle_trajectories
+    from tbexp.stages.eval import compare, evaluate_checkpoint
+
+    cfg, out = job.cfg, job.run_dir
+    result = train(job, Path(cfg.sft.data) if cfg.sft.data else oracle_trajectories(job), out)
+    summary: dict[str, Any] = {"sft_training": result.summary()}
     if cfg.sft.eval_after:
-        summary = _evaluate_base_and_chosen(cfg, out, metrics)
+        summary["base"] = evaluate_checkpoint(job, out / "eval_base", "", label="base")
+        summary["sft"] = evaluate_checkpoint(job, out / "eval_sft", result.checkpoint, label="sft")
+        print(compare({"base": summary["base"], "sft": summary["sft"]}))
     write_summary(out, summary)
-    return {**metrics, **summary.get("sft", {})}
+    return {**result.summary(), **summary.get("sft", {})}
 
 
-def train(cfg: Any, out: Path) -> dict[str, Any]:
-    """Run (or resume) SFT in `out`; returns metrics with the chosen checkpoint's path under `sft/checkpoint`."""
+def train(job: Any, data: Path, out: Path) -> SFTResult:
+    """Run (or resume) SFT in `out` on the conversations in `data`; the checkpoint is chosen by held-out NLL."""
     from tinker import types
     from tqdm import trange
 
     from tbexp.renderers import make_renderer
+    from tbexp.trajectories import read_conversations
 
-    s = cfg.sft
+    cfg, s = job.cfg, job.cfg.sft
     state_path = out / "sft_state.json"
     state = json.loads(state_path.read_text()) if state_path.exists() else {"step": 0, "evals": []}
 
-    conversations = _conversations(cfg)
-    backend = make_backend(cfg, out / "checkpoints")
+    conversations = read_conversations(data)
+    backend = job.models.trainer(out / "checkpoints")
     renderer = make_renderer(cfg.model.renderer, backend.tokenizer)
     max_len = s.max_length_tokens or cfg.model.max_length_tokens
     train, val, counts = _datums(conversations, renderer, max_len, s.overlong, s.val_fraction, cfg.seed)
@@ -68,7 +79,7 @@ def train(cfg: Any, out: Path) -> dict[str, Any]:
         backend.load_state(resume)
         log.info("sft: resuming after step %d from %s", state["step"], resume)
 
-    tracker = Tracker(out, cfg.logger)
+    tracker = job.tracker(out)
     tracker.rewind(state["step"], ("train/", "optim/", "eval/nll"))  # what a killed run did after its last checkpoint
     tracker.log({f"sft/{k}": float(v) for k, v in counts.items()}, step=state["step"])
     start = s.steps if _stalled(state["evals"], s.patience) else state["step"]  # an early-stopped run stays stopped
@@ -100,15 +111,8 @@ def train(cfg: Any, out: Path) -> dict[str, Any]:
     print(f"chosen checkpoint: step {best['step']} (held-out NLL {best['val_nll']:.4f}) -> {best['checkpoint']}")
     tracker.log_checkpoint(best["checkpoint"], best["step"], "chosen")
     tracker.finish()
-    return {"sft/chosen_step": float(best["step"]), "sft/val_nll": best["val_nll"], "sft/steps_run": float(state["step"]), **{f"sft/{k}": float(v) for k, v in counts.items()}, "sft/checkpoint": best["checkpoint"]}
-
-
-def _conversations(cfg: Any) -> list[list[dict[str, str]]]:
-    from tbexp.trajectories import read_conversations
-
-    if cfg.sft.data:
-        return read_conversations(cfg.sft.data)
-    return read_conversations(oracle_trajectories(cfg))
+    metrics = {"sft/chosen_step": float(best["step"]), "sft/val_nll": best["val_nll"], "sft/steps_run": float(state["step"]), **{f"sft/{k}": float(v) for k, v in counts.items()}}
+    return SFTResult(best["checkpoint"], metrics)
 
 
 def _datums(conversations, renderer, max_len: int, overlong: str, val_fraction: float, seed: int):
@@ -194,27 +198,3 @@ def _stalled(evals: list[dict], patience: int) -> bool:
         return False
     best_index = min(range(len(evals)), key=lambda i: evals[i]["val_nll"])
     return len(evals) - 1 - best_index >= patience
-
-
-def oracle_trajectories(cfg: Any) -> Path:
-    """The oracle's verified turns on the train tasks, collected once per task set and agent."""
-    from tbexp.stages.collect import collect
-    from tbexp.tasks import load_task_set
-
-    names = [t.name for t in load_task_set(cfg.tasks, split=cfg.collect.split, part="sft")]
-    key = hashlib.sha256(json.dumps([names, cfg.agent.name, str(cfg.tasks.path), cfg.tasks.seed]).encode()).hexdigest()[:16]
-    path = Path(cfg.tasks.cache_dir).parent / "trajectories" / f"oracle-{cfg.agent.name}-{len(names)}tasks-{key}.jsonl"
-    if not path.exists():
-        oracle = cfg.copy()
-        oracle.policy = "oracle"
-        collect(oracle, path)
-    return path
-
-
-def _evaluate_base_and_chosen(cfg: Any, out: Path, training: dict[str, Any]) -> dict[str, Any]:
-    from tbexp.stages.eval import compare, evaluate_checkpoint
-
-    base = evaluate_checkpoint(cfg, out / "eval_base", "", label="base")
-    tuned = evaluate_checkpoint(cfg, out / "eval_sft", training["sft/checkpoint"], label="sft")
-    print(compare({"base": base, "sft": tuned}))
-    return {"base": base, "sft": tuned, "sft_training": training}

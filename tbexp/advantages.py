@@ -1,0 +1,85 @@
+"""GRPO's arithmetic: group-relative advantages and the datums a policy-gradient loss trains on.
+
+A group is the valid episodes of one task in a step. Each episode's advantage is
+its reward minus the group's mean, divided by the group's population standard
+deviation (+1e-6) with `scale_by_std`; below-mean advantages are multiplied by
+`negative_weight` (1 = plain GRPO, 0 = learn from the above-mean episodes only).
+A group whose rewards are all equal (or that has one episode) teaches nothing and
+is skipped.
+
+One datum per advantaged episode, on the episode's tokens exactly as sampled
+(`Episode.sampled`): position i predicts token i+1; the sampled tokens carry the
+sampler's logprob and the advantage, prompts and observations carry 0. The
+advantage is divided by a share so the summed loss Tinker defines is a mean:
+`normalize="token"` divides by the step's sampled tokens (every token weighs the
+same), `"episode"` by (advantaged episodes x this episode's sampled tokens)
+(every episode weighs the same, whatever its length). With `kl_coef` > 0, each
+sampled token's advantage is lowered by kl_coef * (logp_sampler - logp_reference)
+before the division: a per-token estimate of the KL to the reference weights.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from typing import Any
+
+STD_EPSILON = 1e-6  # keeps a group with a tiny spread from blowing its advantages up
+
+
+def group_advantages(scores: list[float], scale_by_std: bool = False, negative_weight: float = 1.0) -> list[float] | None:
+    """Each score's advantage within its group, or None when the group teaches nothing (fewer than two, all equal).
+
+    >>> group_advantages([1.0, 0.0, 0.5, 0.5])
+    [0.5, -0.5, 0.0, 0.0]
+    >>> group_advantages([1.0, 0.0], negative_weight=0.0)
+    [0.5, -0.0]
+    >>> group_advantages([0.3, 0.3]) is None
+    True
+    """
+    if len(scores) < 2 or max(scores) == min(scores):
+        return None
+    mean = statistics.fmean(scores)
+    scale = (statistics.pstdev(scores) + STD_EPSILON) if scale_by_std else 1.0
+    return [(s - mean) / scale * (negative_weight if s < mean else 1.0) for s in scores]
+
+
+def grpo_datums(episodes: list, rewards: dict[int, float], scale_by_std: bool, reference: Any, kl_coef: float, normalize: str = "token", negative_weight: float = 1.0) -> tuple[list, dict[str, float]]:
+    """The step's datums and counts (groups, groups_skipped, datums, sampled_tokens, and kl_start with a reference).
+
+    `rewards` is keyed by id(episode) (tbexp.scoring.score_episodes); `reference` is a sampler over the
+    weights the KL is measured against (None: no penalty).
+    """
+    from tinker import types
+
+    groups: dict[str, list] = defaultdict(list)
+    for ep in episodes:
+        if not ep.invalid and ep.sampled is not None and ep.sampled.turns:
+            groups[ep.task.name].append(ep)
+    advantaged, skipped = [], 0
+    for group in groups.values():
+        advantages = group_advantages([rewards[id(ep)] for ep in group], scale_by_std, negative_weight)
+        if advantages is None:
+            skipped += 1  # every advantage would be 0
+            continue
+        advantaged += list(zip(group, advantages))
+    n_sampled = sum(ep.sampled.n_sampled for ep, _ in advantaged)
+    datums, kl_sum = [], 0.0
+    for ep, advantage in advantaged:
+        tokens = ep.sampled.tokens
+        logprobs, token_advantages = [0.0] * len(tokens), [0.0] * len(tokens)
+        ref = reference.compute_logprobs(types.ModelInput.from_ints(tokens)).result() if reference is not None else None
+        share = n_sampled if normalize == "token" else len(advantaged) * ep.sampled.n_sampled
+        for turn in ep.sampled.turns:
+            for i, logp in enumerate(turn.logprobs):
+                at = turn.offset + i
+                logprobs[at] = logp
+                kl = logp - ref[at] if ref is not None else 0.0
+                kl_sum += kl
+                token_advantages[at] = (advantage - kl_coef * kl) / share
+        inputs = {"target_tokens": tokens[1:], "logprobs": logprobs[1:], "advantages": token_advantages[1:]}
+        datums.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=inputs))
+    counts = {"groups": float(len(groups)), "groups_skipped": float(skipped), "datums": float(len(datums)), "sampled_tokens": float(n_sampled)}
+    if reference is not None and n_sampled:
+        counts["kl_start"] = kl_sum / n_sampled
+    return datums, counts
