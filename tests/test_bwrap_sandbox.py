@@ -45,6 +45,13 @@ def test_upload_and_download_round_trip(sandbox, tmp_path):
         sandbox.download("/app/missing", tmp_path / "m")
 
 
+def test_a_file_uploaded_to_a_directory_lands_inside_it(sandbox, tmp_path):
+    (tmp_path / "notes.txt").write_text("note")
+    sandbox.upload(tmp_path / "notes.txt", "/app/")  # COPY notes.txt /app/
+    sandbox.upload(tmp_path / "notes.txt", "/tmp")  # an existing directory, no slash
+    assert sandbox.exec("test -d /app && cat /app/notes.txt /tmp/notes.txt").output == "notenote"
+
+
 def test_download_does_not_follow_a_symlink_out(sandbox, tmp_path):
     sandbox.exec("ln -s /etc/shadow /app/leak; mkdir /app/d; ln -s /etc /app/d/etc")
     with pytest.raises(FileNotFoundError):

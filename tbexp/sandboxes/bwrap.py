@@ -105,6 +105,8 @@ class BwrapSandbox(Sandbox):
         host = self._host_path(remote)
         local = Path(local)
         if not local.is_dir():
+            if remote.endswith("/") or (host.is_dir() and not host.is_symlink()):
+                host = host / local.name  # a file into a directory (COPY notes.txt /app/), as cp and Docker do
             host.parent.mkdir(parents=True, exist_ok=True)
         _copy_in(local, host)
 
