@@ -64,7 +64,15 @@ def test_small_k_warns(caplog):
     assert "no success 43%" in caplog.text
 
 
-@pytest.mark.parametrize("overrides", [["task_filter.lower=0.5", "task_filter.upper=0.5"], ["task_filter.lower=-0.1"], ["task_filter.k=0"], ["task_filter.split=dev"]])
+@pytest.mark.parametrize("overrides", [["task_filter.lower=0.5", "task_filter.upper=0.5"], ["task_filter.lower=-0.1"], ["task_filter.k=0"]])
 def test_bad_bounds_are_refused_at_compose_time(overrides):
     with pytest.raises(ConfigError):
         check(compose_config("stage=filter", *overrides))
+
+
+def test_an_unknown_split_is_refused_by_the_schema():
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException) as err:
+        compose_config("stage=filter", "task_filter.split=dev")
+    assert "train, heldout" in str(err.value.__cause__)
