@@ -43,13 +43,24 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=128, help="tokens per sampled sequence")
     p.add_argument("--vocab", type=int, default=200_000, help="log-softmax benchmark vocabulary")
     p.add_argument("--hidden", type=int, default=256, help="log-softmax benchmark hidden size")
-    p.add_argument("--positions", type=int, default=0, help="log-softmax benchmark positions; 0 = 2048 (1024 with --quick) on CPU, 16384 on GPU")
+    p.add_argument(
+        "--positions",
+        type=int,
+        default=0,
+        help="log-softmax benchmark positions; 0 = 2048 (1024 with --quick) on CPU, 16384 on GPU",
+    )
     p.add_argument("--logprob-child", choices=["naive", "chunked"], help=argparse.SUPPRESS)
     p.add_argument("--trainable-head", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else "cpu" if args.device == "auto" else args.device)
+    device = torch.device(
+        "cuda"
+        if args.device == "auto" and torch.cuda.is_available()
+        else "cpu"
+        if args.device == "auto"
+        else args.device
+    )
     if args.logprob_child:
         print(json.dumps(_logprob_child(args, device)))
         return
@@ -63,7 +74,15 @@ def _build_model(args):
 
     if args.model:
         return AutoModelForCausalLM.from_pretrained(args.model), AutoTokenizer.from_pretrained(args.model), args.model
-    config = LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=448, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=4096)
+    config = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=128,
+        intermediate_size=448,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=4096,
+    )
     torch.manual_seed(0)
     return LlamaForCausalLM(config), None, "random Llama d=128 L=4 V=1000"  # no tokenizer: only stop strings need one
 
@@ -77,16 +96,32 @@ def _bench_backend(args, device) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     vocab = model.config.vocab_size
     with tempfile.TemporaryDirectory() as save_dir:
-        b = LocalBackend(model, tokenizer, lora_rank=args.lora_rank, lora_alpha=2.0 * max(args.lora_rank, 1), lora_dropout=0.0, lora_targets=TARGETS, device=str(device), save_dir=save_dir)
+        b = LocalBackend(
+            model,
+            tokenizer,
+            lora_rank=args.lora_rank,
+            lora_alpha=2.0 * max(args.lora_rank, 1),
+            lora_dropout=0.0,
+            lora_targets=TARGETS,
+            device=str(device),
+            save_dir=save_dir,
+        )
         n_train = sum(p.numel() for p in b._params.values())
-        print(f"\nmodel: {name}: {n_params / 1e6:.2f}M parameters, {n_train / 1e6:.3f}M trainable ({'LoRA r=%d' % args.lora_rank if args.lora_rank else 'full'})")
+        print(
+            f"\nmodel: {name}: {n_params / 1e6:.2f}M parameters, {n_train / 1e6:.3f}M trainable ({'LoRA r=%d' % args.lora_rank if args.lora_rank else 'full'})"
+        )
 
         g = torch.Generator().manual_seed(0)
         steps = 3 if args.quick else 10
         data = []
         for _ in range(args.batch):
             toks = torch.randint(0, vocab, (args.seq_tokens + 1,), generator=g).tolist()
-            data.append(types.Datum(model_input=types.ModelInput.from_ints(toks[:-1]), loss_fn_inputs={"target_tokens": toks[1:], "weights": [1.0] * args.seq_tokens}))
+            data.append(
+                types.Datum(
+                    model_input=types.ModelInput.from_ints(toks[:-1]),
+                    loss_fn_inputs={"target_tokens": toks[1:], "weights": [1.0] * args.seq_tokens},
+                )
+            )
         _reset_peak(device)
         b.forward_backward(data, "cross_entropy").result()  # warm-up
         b.optim_step(types.AdamParams()).result()
@@ -97,7 +132,9 @@ def _bench_backend(args, device) -> None:
         _sync(device)
         elapsed = time.perf_counter() - start
         tokens = steps * args.batch * args.seq_tokens
-        print(f"SFT       {tokens / elapsed:10.0f} tokens/s   ({steps} steps of {args.batch}×{args.seq_tokens} tokens, {elapsed / steps:.2f} s/step)   peak {_peak(device)}")
+        print(
+            f"SFT       {tokens / elapsed:10.0f} tokens/s   ({steps} steps of {args.batch}×{args.seq_tokens} tokens, {elapsed / steps:.2f} s/step)   peak {_peak(device)}"
+        )
 
         sampler = b.sampler()
         prompt = types.ModelInput.from_ints(torch.randint(0, vocab, (64,), generator=g).tolist())
@@ -109,7 +146,9 @@ def _bench_backend(args, device) -> None:
         n = sum(len(s.tokens) for _ in range(calls) for s in sampler.sample(prompt, args.samples, params).result())
         _sync(device)
         elapsed = time.perf_counter() - start
-        print(f"sampling  {n / elapsed:10.0f} tokens/s   ({calls} call(s) × {args.samples} sequences × {args.max_tokens} tokens after a 64-token prompt)   peak {_peak(device)}")
+        print(
+            f"sampling  {n / elapsed:10.0f} tokens/s   ({calls} call(s) × {args.samples} sequences × {args.max_tokens} tokens after a 64-token prompt)   peak {_peak(device)}"
+        )
 
 
 def _bench_logprobs(args, device) -> None:
@@ -119,15 +158,32 @@ def _bench_logprobs(args, device) -> None:
     for trainable in (False, True):
         figures = {}
         for variant in ("naive", "chunked"):
-            cmd = [sys.executable, __file__, "--logprob-child", variant, "--vocab", str(args.vocab), "--hidden", str(args.hidden), "--positions", str(positions), "--device", str(device)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--logprob-child",
+                variant,
+                "--vocab",
+                str(args.vocab),
+                "--hidden",
+                str(args.hidden),
+                "--positions",
+                str(positions),
+                "--device",
+                str(device),
+            ]
             if args.threads:
                 cmd += ["--threads", str(args.threads)]
             if trainable:
                 cmd.append("--trainable-head")
-            figures[variant] = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
+            figures[variant] = json.loads(
+                subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
+            )
         naive, chunked = figures["naive"], figures["chunked"]
         head = "trainable head (full FT)" if trainable else "frozen head (LoRA)     "
-        print(f"{head}  naive {naive['peak_mib']:8.0f} MiB {naive['time_s']:6.2f} s   chunked {chunked['peak_mib']:6.0f} MiB {chunked['time_s']:6.2f} s   memory ratio {naive['peak_mib'] / max(chunked['peak_mib'], 1e-9):5.1f}×   |Δ mean logp| {abs(naive['logp_sum'] - chunked['logp_sum']) / positions:.1e}")
+        print(
+            f"{head}  naive {naive['peak_mib']:8.0f} MiB {naive['time_s']:6.2f} s   chunked {chunked['peak_mib']:6.0f} MiB {chunked['time_s']:6.2f} s   memory ratio {naive['peak_mib'] / max(chunked['peak_mib'], 1e-9):5.1f}×   |Δ mean logp| {abs(naive['logp_sum'] - chunked['logp_sum']) / positions:.1e}"
+        )
 
 
 def _logprob_child(args, device) -> dict:
@@ -146,7 +202,11 @@ def _logprob_child(args, device) -> dict:
     logp.sum().backward()
     _sync(device)
     elapsed = time.perf_counter() - start
-    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = (
+        torch.cuda.max_memory_allocated()
+        if device.type == "cuda"
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    )
     return {"peak_mib": (peak - base) / 2**20, "time_s": elapsed, "logp_sum": float(logp.detach().double().sum())}
 
 

@@ -107,18 +107,29 @@ def main() -> None:
     if args.child:
         kind, options = MEASUREMENTS[args.child]
         if args.tiny:  # CPU stand-ins: inductor compiles slowly on CPU, and CPUs have no cuDNN
-            options = {k: {"inductor": "aot_eager", "cudnn_attention": "math"}.get(v, v) if isinstance(v, str) else v for k, v in options.items()}
+            options = {
+                k: {"inductor": "aot_eager", "cudnn_attention": "math"}.get(v, v) if isinstance(v, str) else v
+                for k, v in options.items()
+            }
         result = {"name": args.child, **globals()[f"_{kind}"](shape, **options)}
         print("RESULT " + json.dumps(result), flush=True)
         return
     names = [n for n in (args.only.split(",") if args.only else MEASUREMENTS) if n and n not in args.skip.split(",")]
     results = []
     for name in names:
-        cmd = [sys.executable, __file__, "--child", name] + (["--tiny"] if args.tiny else []) + (["--steps", str(args.steps)] if args.steps else [])
+        cmd = (
+            [sys.executable, __file__, "--child", name]
+            + (["--tiny"] if args.tiny else [])
+            + (["--steps", str(args.steps)] if args.steps else [])
+        )
         start = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         lines = [line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-        result = json.loads(lines[-1]) if lines else {"name": name, "error": (proc.stderr or proc.stdout).strip().splitlines()[-6:]}
+        result = (
+            json.loads(lines[-1])
+            if lines
+            else {"name": name, "error": (proc.stderr or proc.stdout).strip().splitlines()[-6:]}
+        )
         result["wall_s"] = round(time.perf_counter() - start, 1)
         if proc.returncode and "error" not in result:
             result["error"] = f"exit {proc.returncode}"
@@ -134,23 +145,67 @@ def main() -> None:
 
 def full_shape() -> dict:
     return {
-        "device": "cuda", "batch": 4, "seq": 4096, "steps": 8, "warmup": 3,
-        "model": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
-        "samples": 16, "new_tokens": 512, "prompt": 256,
-        "loss_positions": 32768, "loss_vocab": 201088, "loss_hidden": 2880,  # gpt-oss-20b's vocabulary and width
+        "device": "cuda",
+        "batch": 4,
+        "seq": 4096,
+        "steps": 8,
+        "warmup": 3,
+        "model": dict(
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=6144,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            max_position_embeddings=40960,
+            rope_theta=1_000_000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+        ),
+        "samples": 16,
+        "new_tokens": 512,
+        "prompt": 256,
+        "loss_positions": 32768,
+        "loss_vocab": 201088,
+        "loss_hidden": 2880,  # gpt-oss-20b's vocabulary and width
         "varlen_lengths": [4096, 3500, 3000, 2600, 2200, 1800, 1500, 1200, 1000, 800, 600, 500, 400, 300, 200, 100],
-        "cb_prompt": 1024, "cb_new": 512, "grpo_groups": 4, "grpo_group_size": 16,
+        "cb_prompt": 1024,
+        "cb_new": 512,
+        "grpo_groups": 4,
+        "grpo_group_size": 16,
     }
 
 
 def tiny_shape() -> dict:
     return {
-        "device": "cpu", "batch": 4, "seq": 64, "steps": 2, "warmup": 1,
-        "model": dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=True),
-        "samples": 4, "new_tokens": 16, "prompt": 8,
-        "loss_positions": 512, "loss_vocab": 5000, "loss_hidden": 64,
+        "device": "cpu",
+        "batch": 4,
+        "seq": 64,
+        "steps": 2,
+        "warmup": 1,
+        "model": dict(
+            vocab_size=1000,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=512,
+            tie_word_embeddings=True,
+        ),
+        "samples": 4,
+        "new_tokens": 16,
+        "prompt": 8,
+        "loss_positions": 512,
+        "loss_vocab": 5000,
+        "loss_hidden": 64,
         "varlen_lengths": [64, 50, 30, 10],
-        "cb_prompt": 24, "cb_new": 8, "grpo_groups": 2, "grpo_group_size": 3,
+        "cb_prompt": 24,
+        "cb_new": 8,
+        "grpo_groups": 2,
+        "grpo_group_size": 3,
     }
 
 
@@ -180,7 +235,17 @@ def _backend(shape: dict, model, **knobs):
     from tbexp.backends.local import LocalBackend
 
     knobs = {"dtype": "bfloat16", "microbatch_tokens": shape["batch"] * shape["seq"], **knobs}
-    return LocalBackend(model, _tokenizer(model.config.vocab_size), lora_rank=32, lora_alpha=64.0, lora_dropout=0.0, lora_targets=TARGETS, device=shape["device"], save_dir=tempfile.mkdtemp(), **knobs)
+    return LocalBackend(
+        model,
+        _tokenizer(model.config.vocab_size),
+        lora_rank=32,
+        lora_alpha=64.0,
+        lora_dropout=0.0,
+        lora_targets=TARGETS,
+        device=shape["device"],
+        save_dir=tempfile.mkdtemp(),
+        **knobs,
+    )
 
 
 def _sft_data(shape: dict, n: int, lengths: list[int] | None = None):
@@ -191,7 +256,12 @@ def _sft_data(shape: dict, n: int, lengths: list[int] | None = None):
     data = []
     for length in lengths:
         toks = torch.randint(0, shape["model"]["vocab_size"], (length + 1,), generator=g).tolist()
-        data.append(types.Datum(model_input=types.ModelInput.from_ints(toks[:-1]), loss_fn_inputs={"target_tokens": toks[1:], "weights": [1.0] * length}))
+        data.append(
+            types.Datum(
+                model_input=types.ModelInput.from_ints(toks[:-1]),
+                loss_fn_inputs={"target_tokens": toks[1:], "weights": [1.0] * length},
+            )
+        )
     return data
 
 
@@ -206,7 +276,9 @@ def _peak_gib(shape: dict) -> float:
 
 def _flops_per_token(model, seq: int) -> float:
     """Model FLOPs of one LoRA training token (see the module docstring)."""
-    frozen = sum(m.weight.numel() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "lora_" not in n)
+    frozen = sum(
+        m.weight.numel() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "lora_" not in n
+    )
     lora = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
     c = model.config
     attention = 3 * 2 * seq * c.num_attention_heads * c.head_dim * c.num_hidden_layers  # causal: half of 4·S·d
@@ -216,7 +288,14 @@ def _flops_per_token(model, seq: int) -> float:
 def _sft_figures(shape: dict, model, elapsed_s: float, steps: int, tokens_per_step: int, seq: int) -> dict:
     tokens_per_s = steps * tokens_per_step / elapsed_s
     flops = _flops_per_token(model, seq)
-    return {"tokens_per_s": round(tokens_per_s), "s_per_step": round(elapsed_s / steps, 4), "peak_gib": _peak_gib(shape), "model_tflop_per_token": round(flops / 1e12, 6), "model_tflops": round(tokens_per_s * flops / 1e12, 1), "mfu_vs_989": round(tokens_per_s * flops / 1e12 / PEAK_TFLOPS, 3)}
+    return {
+        "tokens_per_s": round(tokens_per_s),
+        "s_per_step": round(elapsed_s / steps, 4),
+        "peak_gib": _peak_gib(shape),
+        "model_tflop_per_token": round(flops / 1e12, 6),
+        "model_tflops": round(tokens_per_s * flops / 1e12, 1),
+        "mfu_vs_989": round(tokens_per_s * flops / 1e12 / PEAK_TFLOPS, 3),
+    }
 
 
 # ---- measurements ----
@@ -226,7 +305,12 @@ def _env(shape: dict) -> dict:
     import peft
     import transformers
 
-    info = {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__, "python": sys.version.split()[0]}
+    info = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "peft": peft.__version__,
+        "python": sys.version.split()[0],
+    }
     try:
         import trl
 
@@ -257,7 +341,9 @@ def _env(shape: dict) -> dict:
         for _ in range(20):
             dst.copy_(src)
         torch.cuda.synchronize()
-        info["copy_tb_per_s"] = round(20 * 2 * src.numel() / (time.perf_counter() - start) / 1e12, 2)  # bytes read + written
+        info["copy_tb_per_s"] = round(
+            20 * 2 * src.numel() / (time.perf_counter() - start) / 1e12, 2
+        )  # bytes read + written
     return info
 
 
@@ -277,13 +363,22 @@ def _attention(shape: dict) -> dict:
 
     c = shape["model"]
     dev, dt = shape["device"], torch.bfloat16
-    q = torch.randn(shape["batch"], c["num_attention_heads"], shape["seq"], c["head_dim"], device=dev, dtype=dt, requires_grad=True)
-    k = torch.randn(shape["batch"], c["num_key_value_heads"], shape["seq"], c["head_dim"], device=dev, dtype=dt, requires_grad=True)
+    q = torch.randn(
+        shape["batch"], c["num_attention_heads"], shape["seq"], c["head_dim"], device=dev, dtype=dt, requires_grad=True
+    )
+    k = torch.randn(
+        shape["batch"], c["num_key_value_heads"], shape["seq"], c["head_dim"], device=dev, dtype=dt, requires_grad=True
+    )
     v = torch.randn_like(k, requires_grad=True)
     rep = c["num_attention_heads"] // c["num_key_value_heads"]
     out = {}
-    for name, backend in [("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION)]:
+    for name, backend in [
+        ("flash", SDPBackend.FLASH_ATTENTION),
+        ("cudnn", SDPBackend.CUDNN_ATTENTION),
+        ("efficient", SDPBackend.EFFICIENT_ATTENTION),
+    ]:
         for gqa in (True, False):
+
             def run():
                 kk, vv = (k, v) if gqa else (k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1))
                 with sdpa_kernel(backend):
@@ -327,7 +422,13 @@ def _sft_tbexp(shape: dict, **knobs) -> dict:
     _sync(shape)
     elapsed = time.perf_counter() - start
     tokens = shape["batch"] * shape["seq"]
-    return {**_sft_figures(shape, b.model, elapsed, shape["steps"], tokens, shape["seq"]), "warmup_s": round(warmup_s, 1), "knobs": knobs, "trainable_params": sum(p.numel() for p in b._params.values()), "mean_loss_per_token_first_last": [round(losses[0] / tokens, 4), round(losses[-1] / tokens, 4)]}
+    return {
+        **_sft_figures(shape, b.model, elapsed, shape["steps"], tokens, shape["seq"]),
+        "warmup_s": round(warmup_s, 1),
+        "knobs": knobs,
+        "trainable_params": sum(p.numel() for p in b._params.values()),
+        "mean_loss_per_token_first_last": [round(losses[0] / tokens, 4), round(losses[-1] / tokens, 4)],
+    }
 
 
 def _sft_trl(shape: dict, gradient_checkpointing: bool = False) -> dict:
@@ -341,7 +442,10 @@ def _sft_trl(shape: dict, gradient_checkpointing: bool = False) -> dict:
     tokenizer = _tokenizer(model.config.vocab_size)
     warmup, steps = shape["warmup"], shape["steps"]
     g = torch.Generator().manual_seed(0)
-    rows = [torch.randint(2, shape["model"]["vocab_size"], (shape["seq"],), generator=g).tolist() for _ in range(shape["batch"] * (warmup + steps))]
+    rows = [
+        torch.randint(2, shape["model"]["vocab_size"], (shape["seq"],), generator=g).tolist()
+        for _ in range(shape["batch"] * (warmup + steps))
+    ]
     # A given fingerprint and no preparation: datasets' hashing pickles pyarrow types, which some pyarrow builds refuse.
     dataset = Dataset(pa.table({"input_ids": rows}), fingerprint="bench-gpu")
     marks: dict[int, float] = {}
@@ -356,20 +460,46 @@ def _sft_trl(shape: dict, gradient_checkpointing: bool = False) -> dict:
 
     cpu = shape["device"] == "cpu"
     config = SFTConfig(
-        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=shape["batch"], gradient_accumulation_steps=1, max_steps=warmup + steps,
-        learning_rate=2e-5, bf16=True, use_cpu=cpu, max_length=shape["seq"], packing=False, gradient_checkpointing=gradient_checkpointing,
-        logging_steps=warmup + steps, save_strategy="no", report_to="none", dataloader_num_workers=0, seed=0,
+        output_dir=tempfile.mkdtemp(),
+        per_device_train_batch_size=shape["batch"],
+        gradient_accumulation_steps=1,
+        max_steps=warmup + steps,
+        learning_rate=2e-5,
+        bf16=True,
+        use_cpu=cpu,
+        max_length=shape["seq"],
+        packing=False,
+        gradient_checkpointing=gradient_checkpointing,
+        logging_steps=warmup + steps,
+        save_strategy="no",
+        report_to="none",
+        dataloader_num_workers=0,
+        seed=0,
         dataset_kwargs={"skip_prepare_dataset": True},
     )
-    peft_config = LoraConfig(r=32, lora_alpha=64, lora_dropout=0.0, target_modules="all-linear", bias="none", task_type="CAUSAL_LM")
-    trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config, callbacks=[Clock()])
+    peft_config = LoraConfig(
+        r=32, lora_alpha=64, lora_dropout=0.0, target_modules="all-linear", bias="none", task_type="CAUSAL_LM"
+    )
+    trainer = SFTTrainer(
+        model=model,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=peft_config,
+        callbacks=[Clock()],
+    )
     if shape["device"] == "cuda":
         torch.cuda.reset_peak_memory_stats()
     trainer.train()
     elapsed = marks[warmup + steps] - marks[warmup]
     figures = _sft_figures(shape, trainer.model, elapsed, steps, shape["batch"] * shape["seq"], shape["seq"])
     trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
-    return {**figures, "trainable_params": trainable, "gradient_checkpointing": gradient_checkpointing, "lora_dtype": str(next(p.dtype for p in trainer.model.parameters() if p.requires_grad))}
+    return {
+        **figures,
+        "trainable_params": trainable,
+        "gradient_checkpointing": gradient_checkpointing,
+        "lora_dtype": str(next(p.dtype for p in trainer.model.parameters() if p.requires_grad)),
+    }
 
 
 def _sample_params(shape: dict, stop):
@@ -403,19 +533,36 @@ def _sample_tbexp(shape: dict, **knobs) -> dict:
     knobs = {**knobs, "warnings": [str(w.message)[:200] for w in caught if "static decode" in str(w.message)]}
     n = sum(len(s.tokens) for s in seqs)
     # The sampler's logprobs against one teacher-forced pass over what it sampled: a stale cache or position would show.
-    forced = sampler.compute_logprobs(types.ModelInput.from_ints(prompt.to_ints() + seqs[-1].tokens)).result()[prompt.length :]
+    forced = sampler.compute_logprobs(types.ModelInput.from_ints(prompt.to_ints() + seqs[-1].tokens)).result()[
+        prompt.length :
+    ]
     diff = torch.tensor(forced) - torch.tensor(seqs[-1].logprobs)
-    check = {"logprob_vs_teacher_forced_max_abs": round(float(diff.abs().max()), 4), "mean_abs": round(float(diff.abs().mean()), 4)}
-    return {"tokens_per_s": round(n / elapsed, 1), "new_tokens": n, "s": round(elapsed, 2), "ms_per_step": round(elapsed / shape["new_tokens"] * 1e3, 2), "peak_gib": _peak_gib(shape), "knobs": knobs, **check}
+    check = {
+        "logprob_vs_teacher_forced_max_abs": round(float(diff.abs().max()), 4),
+        "mean_abs": round(float(diff.abs().mean()), 4),
+    }
+    return {
+        "tokens_per_s": round(n / elapsed, 1),
+        "new_tokens": n,
+        "s": round(elapsed, 2),
+        "ms_per_step": round(elapsed / shape["new_tokens"] * 1e3, 2),
+        "peak_gib": _peak_gib(shape),
+        "knobs": knobs,
+        **check,
+    }
 
 
 def _sample_generate(shape: dict) -> dict:
     """Plain `generate` on the same bf16 model with peft's LoRA (its own fp32 adapter weights), no autocast."""
     from peft import LoraConfig, get_peft_model
 
-    model = get_peft_model(_model(shape), LoraConfig(r=32, lora_alpha=64, lora_dropout=0.0, target_modules=TARGETS, task_type="CAUSAL_LM")).eval()
+    model = get_peft_model(
+        _model(shape), LoraConfig(r=32, lora_alpha=64, lora_dropout=0.0, target_modules=TARGETS, task_type="CAUSAL_LM")
+    ).eval()
     ids = torch.tensor([_prompt(shape)], device=shape["device"])
-    kw = dict(do_sample=True, temperature=0.7, top_p=1.0, top_k=0, num_return_sequences=shape["samples"], pad_token_id=0)
+    kw = dict(
+        do_sample=True, temperature=0.7, top_p=1.0, top_k=0, num_return_sequences=shape["samples"], pad_token_id=0
+    )
     with torch.no_grad():
         model.generate(ids, max_new_tokens=16, **kw)  # warm-up
         if shape["device"] == "cuda":
@@ -426,7 +573,13 @@ def _sample_generate(shape: dict) -> dict:
         _sync(shape)
     elapsed = time.perf_counter() - start
     n = (out.shape[1] - ids.shape[1]) * out.shape[0]
-    return {"tokens_per_s": round(n / elapsed, 1), "new_tokens": n, "s": round(elapsed, 2), "ms_per_step": round(elapsed / shape["new_tokens"] * 1e3, 2), "peak_gib": _peak_gib(shape)}
+    return {
+        "tokens_per_s": round(n / elapsed, 1),
+        "new_tokens": n,
+        "s": round(elapsed, 2),
+        "ms_per_step": round(elapsed / shape["new_tokens"] * 1e3, 2),
+        "peak_gib": _peak_gib(shape),
+    }
 
 
 def _loss(shape: dict, variant: str, chunk_size: int | None = None, compile_backend: str | None = None) -> dict:
@@ -439,10 +592,18 @@ def _loss(shape: dict, variant: str, chunk_size: int | None = None, compile_back
     hidden = (torch.randn(n, d, device=dev, generator=g) / d**0.5).to(torch.bfloat16).requires_grad_()
     weight = torch.randn(v, d, device=dev, generator=g).to(torch.bfloat16)
     targets = torch.randint(0, v, (n,), device=dev, generator=g)
-    fn = naive_target_logprobs if variant == "naive" else functools.partial(target_logprobs, chunk_size=chunk_size, compile_backend=compile_backend)
+    fn = (
+        naive_target_logprobs
+        if variant == "naive"
+        else functools.partial(target_logprobs, chunk_size=chunk_size, compile_backend=compile_backend)
+    )
     if compile_backend:  # compile outside the measurement
-        target_logprobs(hidden[:4096], weight, targets[:4096], chunk_size=chunk_size, compile_backend=compile_backend).sum().backward()
-        target_logprobs(hidden[:4095], weight, targets[:4095], chunk_size=chunk_size, compile_backend=compile_backend).sum().backward()
+        target_logprobs(
+            hidden[:4096], weight, targets[:4096], chunk_size=chunk_size, compile_backend=compile_backend
+        ).sum().backward()
+        target_logprobs(
+            hidden[:4095], weight, targets[:4095], chunk_size=chunk_size, compile_backend=compile_backend
+        ).sum().backward()
         hidden.grad = None
     _sync(shape)
     base = torch.cuda.memory_allocated() if dev == "cuda" else 0
@@ -457,19 +618,32 @@ def _loss(shape: dict, variant: str, chunk_size: int | None = None, compile_back
         return {"variant": variant, "oom": str(e).splitlines()[0][:160]}
     elapsed = time.perf_counter() - start
     peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if dev == "cuda" else 0.0
-    return {"variant": variant, "chunk_size": chunk_size, "compile_backend": compile_backend, "peak_above_inputs_gib": round(peak, 2), "s": round(elapsed, 3), "full_fp32_logits_gib": round(n * v * 4 / 2**30, 1), "mean_logp": float(logp.detach().double().mean())}
+    return {
+        "variant": variant,
+        "chunk_size": chunk_size,
+        "compile_backend": compile_backend,
+        "peak_above_inputs_gib": round(peak, 2),
+        "s": round(elapsed, 3),
+        "full_fp32_logits_gib": round(n * v * 4 / 2**30, 1),
+        "mean_logp": float(logp.detach().double().mean()),
+    }
 
 
 def _varlen(shape: dict, packing: bool = False, **knobs) -> dict:
     """RL-like episodes of mixed lengths, one forward_backward a step: bucketed padding against packing."""
     from tinker import types
 
-    b = _backend(shape, _model(shape), packing=packing, microbatch_tokens=16384 if shape["device"] == "cuda" else 128, **knobs)
+    b = _backend(
+        shape, _model(shape), packing=packing, microbatch_tokens=16384 if shape["device"] == "cuda" else 128, **knobs
+    )
     lengths = shape["varlen_lengths"]
     data = _sft_data(shape, len(lengths), lengths)
     adam = types.AdamParams(learning_rate=2e-5)
     # Before any update (LoRA B = 0): the same function under both layouts, so these must agree to bf16 rounding.
-    check = [round(sum(lp) / len(lp), 4) for lp in b.forward(data[:: max(1, len(data) // 4)], "cross_entropy").result().logprobs]
+    check = [
+        round(sum(lp) / len(lp), 4)
+        for lp in b.forward(data[:: max(1, len(data) // 4)], "cross_entropy").result().logprobs
+    ]
     for _ in range(2):
         b.forward_backward(data, "cross_entropy").result()
         b.optim_step(adam).result()
@@ -483,7 +657,14 @@ def _varlen(shape: dict, packing: bool = False, **knobs) -> dict:
         b.optim_step(adam).result()
     _sync(shape)
     elapsed = time.perf_counter() - start
-    return {"real_tokens_per_s": round(steps * sum(lengths) / elapsed), "s_per_step": round(elapsed / steps, 4), "peak_gib": _peak_gib(shape), "packing": packing, "padding_fraction": round(1 - sum(lengths) / _padded_tokens(lengths, b.microbatch_tokens), 3), "mean_logp_check": check}
+    return {
+        "real_tokens_per_s": round(steps * sum(lengths) / elapsed),
+        "s_per_step": round(elapsed / steps, 4),
+        "peak_gib": _peak_gib(shape),
+        "packing": packing,
+        "padding_fraction": round(1 - sum(lengths) / _padded_tokens(lengths, b.microbatch_tokens), 3),
+        "mean_logp_check": check,
+    }
 
 
 def _padded_tokens(lengths: list[int], budget: int) -> int:
@@ -496,9 +677,18 @@ def _padded_tokens(lengths: list[int], budget: int) -> int:
 def _kernels_check(shape: dict) -> dict:
     """scripts/check_paged_kernels.py on this device (on CPU it needs TRITON_INTERPRET=1, which --tiny sets)."""
     env = {**os.environ, **({"TRITON_INTERPRET": "1"} if shape["device"] == "cpu" else {})}
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "check_paged_kernels.py"), shape["device"]], capture_output=True, text=True, env=env)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "check_paged_kernels.py"), shape["device"]],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     lines = proc.stdout.strip().splitlines()
-    return {"ok": proc.returncode == 0, "checks": lines, **({"stderr": proc.stderr.strip().splitlines()[-5:]} if proc.returncode else {})}
+    return {
+        "ok": proc.returncode == 0,
+        "checks": lines,
+        **({"stderr": proc.stderr.strip().splitlines()[-5:]} if proc.returncode else {}),
+    }
 
 
 def _cb_requests(shape: dict, n: int, max_tokens: int, prompts: list[list[int]] | None = None):
@@ -507,19 +697,29 @@ def _cb_requests(shape: dict, n: int, max_tokens: int, prompts: list[list[int]] 
     from tbexp.backends.batch_sampling import Request
 
     g = torch.Generator().manual_seed(2)
-    prompts = prompts or [torch.randint(2, shape["model"]["vocab_size"], (shape["cb_prompt"],), generator=g).tolist() for _ in range(n)]
-    return [Request(p, types.SamplingParams(max_tokens=max_tokens, temperature=0.7, top_p=1.0, seed=i, stop=["</cmd>"])) for i, p in enumerate(prompts)]
+    prompts = prompts or [
+        torch.randint(2, shape["model"]["vocab_size"], (shape["cb_prompt"],), generator=g).tolist() for _ in range(n)
+    ]
+    return [
+        Request(p, types.SamplingParams(max_tokens=max_tokens, temperature=0.7, top_p=1.0, seed=i, stop=["</cmd>"]))
+        for i, p in enumerate(prompts)
+    ]
 
 
 def _decode_bound(engine, concurrent: int, mean_context: float, bandwidth: float) -> float:
     """Tokens/s if each decode step only read the decode weights and the batch's KV cache once at `bandwidth`."""
     w = engine.weights
-    weight_bytes = sum(t.numel() * t.element_size() for layer in w.layers for t in layer.values()) + w.head.numel() * w.head.element_size()
+    weight_bytes = (
+        sum(t.numel() * t.element_size() for layer in w.layers for t in layer.values())
+        + w.head.numel() * w.head.element_size()
+    )
     kv_bytes = concurrent * mean_context * 2 * w.n_layers * w.n_kv_heads * w.head_dim * w.embed.element_size()
     return concurrent / ((weight_bytes + kv_bytes) / bandwidth)
 
 
-def _sample_continuous(shape: dict, concurrent: int, kernels: str = "auto", stop: bool = True, page_tokens: int = 0) -> dict:
+def _sample_continuous(
+    shape: dict, concurrent: int, kernels: str = "auto", stop: bool = True, page_tokens: int = 0
+) -> dict:
     from tinker import types
 
     b = _backend(shape, _model(shape), continuous_batching=True, max_concurrent_sequences=max(16, concurrent))
@@ -528,9 +728,19 @@ def _sample_continuous(shape: dict, concurrent: int, kernels: str = "auto", stop
         from tbexp.backends.continuous_batching import ContinuousBatcher
 
         with sampler._model() as (_, lm):
-            b._batcher = ContinuousBatcher(lm, b.tokenizer, b.eos_token_ids, snapshot=sampler, kernels=kernels, page_tokens=page_tokens, max_batch=max(16, concurrent))
+            b._batcher = ContinuousBatcher(
+                lm,
+                b.tokenizer,
+                b.eos_token_ids,
+                snapshot=sampler,
+                kernels=kernels,
+                page_tokens=page_tokens,
+                max_batch=max(16, concurrent),
+            )
     engine = b._continuous_batcher(sampler)
-    warm = [r.prompt[::-1] for r in _cb_requests(shape, concurrent, 4)]  # other prompts: nothing cached for the measured run
+    warm = [
+        r.prompt[::-1] for r in _cb_requests(shape, concurrent, 4)
+    ]  # other prompts: nothing cached for the measured run
     sampler.sample_batch(_cb_requests(shape, concurrent, 4, warm))  # captures this bucket's graph, compiles the kernels
     merge_s = [_timed(lambda: sampler._load_into(engine), shape) for _ in range(3)]
     requests = _cb_requests(shape, concurrent, shape["cb_new"])
@@ -552,27 +762,50 @@ def _sample_continuous(shape: dict, concurrent: int, kernels: str = "auto", stop
     decode_s = elapsed - ttft[-1]
     decode_tokens_per_s = (n - len(seqs)) / decode_s
     mean_context = shape["cb_prompt"] + shape["cb_new"] / 2
-    bandwidth = {"4.8": 4.8e12, **({"copy": float(os.environ["BENCH_COPY_TB_PER_S"]) * 1e12} if os.environ.get("BENCH_COPY_TB_PER_S") else {})}
+    bandwidth = {
+        "4.8": 4.8e12,
+        **({"copy": float(os.environ["BENCH_COPY_TB_PER_S"]) * 1e12} if os.environ.get("BENCH_COPY_TB_PER_S") else {}),
+    }
     bounds = {k: _decode_bound(engine, concurrent, mean_context, v) for k, v in bandwidth.items()}
     # Alone vs in the batch: a few requests again, one at a time, with nothing cached (the weights are reloaded).
     sampler._load_into(engine)
     agree, prefix_logp = [], []
     for r, s in list(zip(requests, seqs))[:4]:
         solo = sampler.sample_batch([r])[0]
-        same = next((i for i, (a, c) in enumerate(zip(solo.tokens, s.tokens)) if a != c), min(len(solo.tokens), len(s.tokens)))
+        same = next(
+            (i for i, (a, c) in enumerate(zip(solo.tokens, s.tokens)) if a != c), min(len(solo.tokens), len(s.tokens))
+        )
         agree.append(same / max(1, len(s.tokens)))
         prefix_logp.append(max((abs(a - c) for a, c in zip(solo.logprobs[:same], s.logprobs[:same])), default=0.0))
         sampler._load_into(engine)
-    forced = sampler.compute_logprobs(types.ModelInput.from_ints(requests[-1].prompt + seqs[-1].tokens)).result()[len(requests[-1].prompt) :]
+    forced = sampler.compute_logprobs(types.ModelInput.from_ints(requests[-1].prompt + seqs[-1].tokens)).result()[
+        len(requests[-1].prompt) :
+    ]
     diff = torch.tensor(forced) - torch.tensor(seqs[-1].logprobs)
     return {
-        "concurrent": concurrent, "kernels": engine.kernels, "tokens_per_s": round(n / elapsed, 1), "decode_tokens_per_s": round(decode_tokens_per_s, 1),
-        "new_tokens": n, "s": round(elapsed, 2), "ms_per_step": round(decode_s / max(1, steps) * 1e3, 3), "host_ms_per_step": round(host_s / max(1, steps) * 1e3, 3), "prefill_s": round(engine.stats["prefill_s"] - decode_before[2], 3), "stop": stop,
-        "ttft_median_s": round(ttft[len(ttft) // 2], 3), "ttft_max_s": round(ttft[-1], 3),
-        **{f"bound_tokens_per_s_at_{k}": round(v) for k, v in bounds.items()}, **{f"fraction_of_bound_at_{k}": round(decode_tokens_per_s / v, 3) for k, v in bounds.items()},
-        "weight_merge_ms": [round(x * 1e3, 1) for x in merge_s], "page_tokens": engine.page_tokens, "kv_cache_tokens": (len(engine.pool.refs) - 1) * engine.page_tokens,
-        "peak_gib": _peak_gib(shape), "alone_vs_batch_token_agreement": [round(a, 3) for a in agree], "alone_vs_batch_logp_max_abs_before_divergence": round(max(prefix_logp), 4),
-        "logprob_vs_teacher_forced_max_abs": round(float(diff.abs().max()), 4), "mean_abs": round(float(diff.abs().mean()), 4), "graph_captures": engine.stats["graph_captures"],
+        "concurrent": concurrent,
+        "kernels": engine.kernels,
+        "tokens_per_s": round(n / elapsed, 1),
+        "decode_tokens_per_s": round(decode_tokens_per_s, 1),
+        "new_tokens": n,
+        "s": round(elapsed, 2),
+        "ms_per_step": round(decode_s / max(1, steps) * 1e3, 3),
+        "host_ms_per_step": round(host_s / max(1, steps) * 1e3, 3),
+        "prefill_s": round(engine.stats["prefill_s"] - decode_before[2], 3),
+        "stop": stop,
+        "ttft_median_s": round(ttft[len(ttft) // 2], 3),
+        "ttft_max_s": round(ttft[-1], 3),
+        **{f"bound_tokens_per_s_at_{k}": round(v) for k, v in bounds.items()},
+        **{f"fraction_of_bound_at_{k}": round(decode_tokens_per_s / v, 3) for k, v in bounds.items()},
+        "weight_merge_ms": [round(x * 1e3, 1) for x in merge_s],
+        "page_tokens": engine.page_tokens,
+        "kv_cache_tokens": (len(engine.pool.refs) - 1) * engine.page_tokens,
+        "peak_gib": _peak_gib(shape),
+        "alone_vs_batch_token_agreement": [round(a, 3) for a in agree],
+        "alone_vs_batch_logp_max_abs_before_divergence": round(max(prefix_logp), 4),
+        "logprob_vs_teacher_forced_max_abs": round(float(diff.abs().max()), 4),
+        "mean_abs": round(float(diff.abs().mean()), 4),
+        "graph_captures": engine.stats["graph_captures"],
     }
 
 
@@ -589,10 +822,21 @@ def _grpo_step(shape: dict, continuous: bool) -> dict:
     from tinker import types
 
     knobs = {"continuous_batching": True} if continuous else {"cuda_graph_sampling": shape["device"] == "cuda"}
-    b = _backend(shape, _model(shape), packing=True, microbatch_tokens=16384 if shape["device"] == "cuda" else 256, logprob_chunk_tokens=4096 if shape["device"] == "cuda" else None, max_concurrent_sequences=64, **knobs)
+    b = _backend(
+        shape,
+        _model(shape),
+        packing=True,
+        microbatch_tokens=16384 if shape["device"] == "cuda" else 256,
+        logprob_chunk_tokens=4096 if shape["device"] == "cuda" else None,
+        max_concurrent_sequences=64,
+        **knobs,
+    )
     groups, size = shape["grpo_groups"], shape["grpo_group_size"]
     g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(2, shape["model"]["vocab_size"], (shape["cb_prompt"],), generator=g).tolist() for _ in range(groups)]
+    prompts = [
+        torch.randint(2, shape["model"]["vocab_size"], (shape["cb_prompt"],), generator=g).tolist()
+        for _ in range(groups)
+    ]
     adam = types.AdamParams(learning_rate=1e-5)
 
     def step(max_tokens: int) -> dict:
@@ -613,19 +857,42 @@ def _grpo_step(shape: dict, continuous: bool) -> dict:
             for seq, adv in zip(group, advantages.tolist()):
                 tokens = prompt + seq.tokens
                 pad = [0.0] * (len(prompt) - 1)
-                data.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={"target_tokens": tokens[1:], "logprobs": pad + seq.logprobs, "advantages": pad + [adv] * len(seq.tokens)}))
+                data.append(
+                    types.Datum(
+                        model_input=types.ModelInput.from_ints(tokens[:-1]),
+                        loss_fn_inputs={
+                            "target_tokens": tokens[1:],
+                            "logprobs": pad + seq.logprobs,
+                            "advantages": pad + [adv] * len(seq.tokens),
+                        },
+                    )
+                )
         b.forward_backward(data, "importance_sampling").result()
         b.optim_step(adam).result()
         _sync(shape)
         done = time.perf_counter()
         n = sum(len(s.tokens) for group in replies for s in group)
-        return {"sample_s": round(sampled - start, 2), "train_s": round(done - sampled, 2), "step_s": round(done - start, 2), "sampling_share": round((sampled - start) / (done - start), 3), "sampled_tokens": n, "sampling_tokens_per_s": round(n / (sampled - start), 1)}
+        return {
+            "sample_s": round(sampled - start, 2),
+            "train_s": round(done - sampled, 2),
+            "step_s": round(done - start, 2),
+            "sampling_share": round((sampled - start) / (done - start), 3),
+            "sampled_tokens": n,
+            "sampling_tokens_per_s": round(n / (sampled - start), 1),
+        }
 
     step(8)  # warm-up: graphs, kernels, allocator
     if shape["device"] == "cuda":
         torch.cuda.reset_peak_memory_stats()
     result = step(shape["cb_new"])
-    extra = {"cached_prompt_tokens": b._batcher.stats["cached_prompt_tokens"], "prefill_tokens": b._batcher.stats["prefill_tokens"]} if continuous else {}
+    extra = (
+        {
+            "cached_prompt_tokens": b._batcher.stats["cached_prompt_tokens"],
+            "prefill_tokens": b._batcher.stats["prefill_tokens"],
+        }
+        if continuous
+        else {}
+    )
     return {"continuous": continuous, "episodes": groups * size, **result, "peak_gib": _peak_gib(shape), **extra}
 
 
@@ -635,16 +902,28 @@ def _table(results: list[dict]) -> None:
         if "error" in r or "oom" in r:
             print(f"| {r['name']} | failed | | {r.get('error') or r.get('oom')} |")
         elif "concurrent" in r:
-            print(f"| {r['name']} | {r['tokens_per_s']:,} tokens/s ({r['decode_tokens_per_s']:,} decoding) | {r['peak_gib']} | {r['ms_per_step']} ms/step, TTFT median {r['ttft_median_s']} s, {r['fraction_of_bound_at_4.8']:.0%} of the 4.8 TB/s bound |")
+            print(
+                f"| {r['name']} | {r['tokens_per_s']:,} tokens/s ({r['decode_tokens_per_s']:,} decoding) | {r['peak_gib']} | {r['ms_per_step']} ms/step, TTFT median {r['ttft_median_s']} s, {r['fraction_of_bound_at_4.8']:.0%} of the 4.8 TB/s bound |"
+            )
         elif "tokens_per_s" in r:
-            extra = f"MFU {r['mfu_vs_989']:.1%} of 989 TFLOP/s, {r['s_per_step']} s/step" if "mfu_vs_989" in r else f"{r['ms_per_step']} ms/step"
+            extra = (
+                f"MFU {r['mfu_vs_989']:.1%} of 989 TFLOP/s, {r['s_per_step']} s/step"
+                if "mfu_vs_989" in r
+                else f"{r['ms_per_step']} ms/step"
+            )
             print(f"| {r['name']} | {r['tokens_per_s']:,} tokens/s | {r['peak_gib']} | {extra} |")
         elif "sampling_share" in r:
-            print(f"| {r['name']} | {r['step_s']} s/step | {r['peak_gib']} | sampling {r['sample_s']} s ({r['sampling_share']:.0%}), training {r['train_s']} s |")
+            print(
+                f"| {r['name']} | {r['step_s']} s/step | {r['peak_gib']} | sampling {r['sample_s']} s ({r['sampling_share']:.0%}), training {r['train_s']} s |"
+            )
         elif "real_tokens_per_s" in r:
-            print(f"| {r['name']} | {r['real_tokens_per_s']:,} real tokens/s | {r['peak_gib']} | {r['s_per_step']} s/step |")
+            print(
+                f"| {r['name']} | {r['real_tokens_per_s']:,} real tokens/s | {r['peak_gib']} | {r['s_per_step']} s/step |"
+            )
         elif "peak_above_inputs_gib" in r:
-            print(f"| {r['name']} | {r['s']} s | {r['peak_above_inputs_gib']} | full fp32 logits alone {r['full_fp32_logits_gib']} GiB |")
+            print(
+                f"| {r['name']} | {r['s']} s | {r['peak_above_inputs_gib']} | full fp32 logits alone {r['full_fp32_logits_gib']} GiB |"
+            )
         else:
             print(f"| {r['name']} | | | {json.dumps({k: v for k, v in r.items() if k not in ('name',)})} |")
 

@@ -39,7 +39,9 @@ sys.path.insert(0, str(REPO))
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
-    parser.add_argument("--checkpoint", default="", help="start GRPO from this checkpoint (default: a cached 100-step SFT)")
+    parser.add_argument(
+        "--checkpoint", default="", help="start GRPO from this checkpoint (default: a cached 100-step SFT)"
+    )
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides, e.g. grpo.concurrency=16")
     args = parser.parse_args()
@@ -55,7 +57,12 @@ def main() -> None:
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
         cfg = compose("config", overrides=["+experiment=pipeline", *args.overrides])
-        bench = [f"grpo.steps={args.steps}", "grpo.eval_at_start=false", f"grpo.eval_every={10**6}", "grpo.eval_n_runs=1"]
+        bench = [
+            f"grpo.steps={args.steps}",
+            "grpo.eval_at_start=false",
+            f"grpo.eval_every={10**6}",
+            "grpo.eval_n_runs=1",
+        ]
         job = Job(compose("config", overrides=["+experiment=pipeline", *bench, *args.overrides]))
     checkpoint = args.checkpoint or _warm_checkpoint(cfg, job)
 
@@ -69,17 +76,29 @@ def main() -> None:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "time/step" in r]
     episodes = cfg.grpo.groups_per_step * cfg.grpo.group_size
-    print(f"\nGRPO from {checkpoint}: {cfg.grpo.groups_per_step} groups x {cfg.grpo.group_size} episodes a step, concurrency {cfg.grpo.concurrency}, load average {os.getloadavg()[0]:.1f}")
-    print(f"{'step':>4} {'s/step':>7} {'ep/s':>6} {'sample':>7} {'sandbox':>8} {'train':>6}   {'env sum':>8} {'verify sum':>10} {'reward':>7}")
+    print(
+        f"\nGRPO from {checkpoint}: {cfg.grpo.groups_per_step} groups x {cfg.grpo.group_size} episodes a step, concurrency {cfg.grpo.concurrency}, load average {os.getloadavg()[0]:.1f}"
+    )
+    print(
+        f"{'step':>4} {'s/step':>7} {'ep/s':>6} {'sample':>7} {'sandbox':>8} {'train':>6}   {'env sum':>8} {'verify sum':>10} {'reward':>7}"
+    )
     shares = []
     for r in steps:
         sandbox = max(r["time/rollout"] - r["time/sample"], 0.0)
-        share = {"sample": r["time/sample"] / r["time/step"], "sandbox": sandbox / r["time/step"], "train": r["time/train"] / r["time/step"]}
+        share = {
+            "sample": r["time/sample"] / r["time/step"],
+            "sandbox": sandbox / r["time/step"],
+            "train": r["time/train"] / r["time/step"],
+        }
         shares.append(share)
-        print(f"{r['step']:>4} {r['time/step']:7.1f} {episodes / r['time/step']:6.2f} {share['sample']:7.0%} {share['sandbox']:8.0%} {share['train']:6.0%}   {r['time/env']:8.1f} {r['time/verify']:10.1f} {r['rollout/reward_mean']:7.3f}")
+        print(
+            f"{r['step']:>4} {r['time/step']:7.1f} {episodes / r['time/step']:6.2f} {share['sample']:7.0%} {share['sandbox']:8.0%} {share['train']:6.0%}   {r['time/env']:8.1f} {r['time/verify']:10.1f} {r['rollout/reward_mean']:7.3f}"
+        )
     mean = {k: statistics.fmean(s[k] for s in shares) for k in ("sample", "sandbox", "train")}
     step_s = statistics.fmean(r["time/step"] for r in steps)
-    print(f"mean: {step_s:.1f} s/step, {episodes / step_s:.2f} episodes/s; sample {mean['sample']:.0%}, sandboxes+tests {mean['sandbox']:.0%} (target <= 33%), train {mean['train']:.0%}")
+    print(
+        f"mean: {step_s:.1f} s/step, {episodes / step_s:.2f} episodes/s; sample {mean['sample']:.0%}, sandboxes+tests {mean['sandbox']:.0%} (target <= 33%), train {mean['train']:.0%}"
+    )
 
 
 def _warm_checkpoint(cfg, job) -> str:

@@ -114,7 +114,9 @@ def _usable(name: str) -> bool:
 
 
 def _parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="concurrency 2,4 and 24 episodes a run, unless given")
     parser.add_argument("--concurrency", type=_ints, help="levels to try (default 1,2,4,6,8)")
     parser.add_argument("--episodes", type=int, help="episodes per run (default 96)")
@@ -171,7 +173,11 @@ def _bench_sandbox(name: str, jobs, tasks, runs: int, args) -> None:
 
 def _levels(name: str, cfg, jobs, tasks, runs: int, args) -> list[Run]:
     """One row per runner and concurrency level, the runners alternating, so outside load hits both alike."""
-    print(f"{'runner':7} {'conc':>4} {'episodes/s':>10} {'wall_s':>7} {'cpu_s/ep':>8} {'all_cpu':>8} {'load':>5} {'invalid':>7} {'unsolved':>8}   " + "  ".join(f"{p + '_s':>8}" for p in PHASES) + f"  {'other_s':>8}")
+    print(
+        f"{'runner':7} {'conc':>4} {'episodes/s':>10} {'wall_s':>7} {'cpu_s/ep':>8} {'all_cpu':>8} {'load':>5} {'invalid':>7} {'unsolved':>8}   "
+        + "  ".join(f"{p + '_s':>8}" for p in PHASES)
+        + f"  {'other_s':>8}"
+    )
     results: list[Run] = []
     for concurrency in args.concurrency:
         results.append(_run_tbexp(cfg, jobs, concurrency))
@@ -212,7 +218,12 @@ def _run_tbexp(cfg, jobs, concurrency: int) -> Run:
     valid = [ep for ep in episodes if not ep.invalid]
     phases = {p: statistics.fmean(ep.time_s.get(p, 0.0) for ep in valid) if valid else math.nan for p in PHASES}
     return Run(
-        "tbexp", concurrency, len(episodes), wall, cpu, machine,
+        "tbexp",
+        concurrency,
+        len(episodes),
+        wall,
+        cpu,
+        machine,
         invalid=len(episodes) - len(valid),
         unsolved=sum(1 for ep in valid if not ep.report.strict),
         phase_s=phases,
@@ -225,16 +236,29 @@ def _run_harbor(name: str, cfg, tasks, runs: int, concurrency: int) -> Run:
 
     node = OmegaConf.to_container(cfg.sandbox, resolve=True)
     console = io.StringIO()  # Harbor's progress bar and log lines; shown only when a trial went wrong
-    with tempfile.TemporaryDirectory(prefix="tbexp-bench-harbor-") as jobs_dir, redirect_stdout(console), redirect_stderr(console):
+    with (
+        tempfile.TemporaryDirectory(prefix="tbexp-bench-harbor-") as jobs_dir,
+        redirect_stdout(console),
+        redirect_stderr(console),
+    ):
         meter = CpuMeter()
-        trials = asyncio.run(_harbor_job(ENVIRONMENTS[name], node, [t.path for t in tasks], runs, concurrency, Path(jobs_dir)))
+        trials = asyncio.run(
+            _harbor_job(ENVIRONMENTS[name], node, [t.path for t in tasks], runs, concurrency, Path(jobs_dir))
+        )
         wall, cpu, machine = meter.read()
     valid = [t for t in trials if t.reward_valid]
     if len(valid) < len(trials):
         print(console.getvalue()[-3000:], file=sys.stderr)
-    phases = {p: statistics.fmean(_harbor_phases(t)[p] for t in valid) if valid else math.nan for p in (*PHASES, "other")}
+    phases = {
+        p: statistics.fmean(_harbor_phases(t)[p] for t in valid) if valid else math.nan for p in (*PHASES, "other")
+    }
     return Run(
-        "harbor", concurrency, len(trials), wall, cpu, machine,
+        "harbor",
+        concurrency,
+        len(trials),
+        wall,
+        cpu,
+        machine,
         invalid=len(trials) - len(valid),
         unsolved=sum(1 for t in valid if t.verifier_result.rewards.get("reward") != 1.0),
         phase_s=phases,
@@ -269,7 +293,11 @@ def _harbor_phases(trial) -> dict[str, float]:
         return (timing.finished_at - timing.started_at).total_seconds() if timing and timing.finished_at else 0.0
 
     total = (trial.finished_at - trial.started_at).total_seconds()
-    phases = {"start": span(trial.environment_setup), "agent": span(trial.agent_execution), "verify": span(trial.verifier)}
+    phases = {
+        "start": span(trial.environment_setup),
+        "agent": span(trial.agent_execution),
+        "verify": span(trial.verifier),
+    }
     phases["stop"] = (trial.finished_at - trial.verifier.finished_at).total_seconds() if trial.verifier else 0.0
     phases["other"] = total - sum(phases.values())  # agent setup, log and artifact transfers
     return phases
@@ -342,7 +370,9 @@ def _print_row(run: Run) -> None:
 def _print_summary(name: str, results: list[Run]) -> None:
     tbexp = max((r for r in results if r.runner == "tbexp"), key=lambda r: r.per_s)
     target = EPISODES_PER_S_TARGET[name]
-    print(f"\nbest tbexp: {tbexp.per_s:.2f} episodes/s at concurrency {tbexp.concurrency}  (target >= {target:g}: {_verdict(tbexp.per_s >= target)})")
+    print(
+        f"\nbest tbexp: {tbexp.per_s:.2f} episodes/s at concurrency {tbexp.concurrency}  (target >= {target:g}: {_verdict(tbexp.per_s >= target)})"
+    )
     for label, run in (("concurrency 1", _at(results, "tbexp", 1)), (f"concurrency {tbexp.concurrency}", tbexp)):
         if run and run.start_s:
             p50, p95 = _percentile(run.start_s, 50) * 1000, _percentile(run.start_s, 95) * 1000
@@ -354,24 +384,39 @@ def _print_summary(name: str, results: list[Run]) -> None:
         shares = ", ".join(f"{p} {tbexp.phase_s[p] * 1000:.0f} ms ({tbexp.phase_s[p] / total:.0%})" for p in PHASES)
         print(f"where a tbexp episode's time goes at concurrency {tbexp.concurrency}: {shares}")
     own = tbexp.cpu_s / tbexp.episodes
-    if name == "bwrap" and not math.isnan(own):  # bwrap sandboxes are our children (Docker's are the engine's); NaN: no cgroup
-        print(f"tbexp CPU per episode: {own * 1000:.0f} ms of this benchmark's own processes, so {os.cpu_count()} CPUs to itself would cap it near {os.cpu_count() / own:.1f} episodes/s")
+    if name == "bwrap" and not math.isnan(
+        own
+    ):  # bwrap sandboxes are our children (Docker's are the engine's); NaN: no cgroup
+        print(
+            f"tbexp CPU per episode: {own * 1000:.0f} ms of this benchmark's own processes, so {os.cpu_count()} CPUs to itself would cap it near {os.cpu_count() / own:.1f} episodes/s"
+        )
     harbor = [r for r in results if r.runner == "harbor"]
     if harbor:
         best = max(harbor, key=lambda r: r.per_s)
         ratio = tbexp.per_s / best.per_s
-        print(f"best harbor: {best.per_s:.2f} episodes/s at concurrency {best.concurrency} (Harbor Job, oracle agent, same {name} sandbox)")
-        print(f"tbexp / harbor: {ratio:.2f}x  (target >= {HARBOR_RATIO_TARGET:g}x: {_verdict(ratio >= HARBOR_RATIO_TARGET)})")
+        print(
+            f"best harbor: {best.per_s:.2f} episodes/s at concurrency {best.concurrency} (Harbor Job, oracle agent, same {name} sandbox)"
+        )
+        print(
+            f"tbexp / harbor: {ratio:.2f}x  (target >= {HARBOR_RATIO_TARGET:g}x: {_verdict(ratio >= HARBOR_RATIO_TARGET)})"
+        )
         if name == "bwrap" and not math.isnan(own):
-            cpu = statistics.fmean(r.cpu_s / r.episodes for r in harbor) / statistics.fmean(r.cpu_s / r.episodes for r in results if r.runner == "tbexp")
-            print(f"CPU per episode, harbor / tbexp: {cpu:.2f}x over all levels (the throughput ratio on a machine the benchmark has to itself, once CPU-bound)")
+            cpu = statistics.fmean(r.cpu_s / r.episodes for r in harbor) / statistics.fmean(
+                r.cpu_s / r.episodes for r in results if r.runner == "tbexp"
+            )
+            print(
+                f"CPU per episode, harbor / tbexp: {cpu:.2f}x over all levels (the throughput ratio on a machine the benchmark has to itself, once CPU-bound)"
+            )
     _warn_unsolved(results)
 
 
 def _warn_unsolved(results: list[Run]) -> None:
     bad = [r for r in results if r.invalid or r.unsolved]
     if bad:
-        print("warning: some oracle episodes were invalid or unsolved: " + ", ".join(f"{r.runner}@{r.concurrency}: {r.invalid} invalid, {r.unsolved} unsolved" for r in bad))
+        print(
+            "warning: some oracle episodes were invalid or unsolved: "
+            + ", ".join(f"{r.runner}@{r.concurrency}: {r.invalid} invalid, {r.unsolved} unsolved" for r in bad)
+        )
 
 
 def _at(results: list[Run], runner: str, concurrency: int) -> Run | None:

@@ -73,7 +73,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 # objective -> (sweep file, extra overrides of the jobs); synthetic reads grpo_optuna's settings only
-OBJECTIVES = {"pipeline": ("grpo_optuna", ["+experiment=pipeline"]), "smoke": ("smoke", []), "synthetic": ("grpo_optuna", [])}
+OBJECTIVES = {
+    "pipeline": ("grpo_optuna", ["+experiment=pipeline"]),
+    "smoke": ("smoke", []),
+    "synthetic": ("grpo_optuna", []),
+}
 # The two arms: the sweep file as written, and random search without pruning (hydra.sweeper.* changes).
 MODES = {"random": {"sampler": {"name": "random"}, "pruner": {"name": "none"}}, "tpe+pruning": {}}
 
@@ -85,9 +89,21 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1, added to the sweep file's sampler seed")
     parser.add_argument("--repeats", type=int, default=3, help="runs of `python -m tbexp --cfg job`")
     parser.add_argument("--trials", type=int, default=16, help="trials of the do-nothing sweep")
-    parser.add_argument("--out", default="multirun/bench_sweep", help="smoke/pipeline: sweep directories and study storage (relative to the repository)")
-    parser.add_argument("--full-budget", action="store_true", help="smoke/pipeline: continue a tpe+pruning study to its budget even when it has already matched random search's best (by default it is left there: its ratio is fixed)")
-    parser.add_argument("--no-run", action="store_true", help="smoke/pipeline: score the studies as they stand in --out, launching nothing (an arm still short of its budget is marked partial)")
+    parser.add_argument(
+        "--out",
+        default="multirun/bench_sweep",
+        help="smoke/pipeline: sweep directories and study storage (relative to the repository)",
+    )
+    parser.add_argument(
+        "--full-budget",
+        action="store_true",
+        help="smoke/pipeline: continue a tpe+pruning study to its budget even when it has already matched random search's best (by default it is left there: its ratio is fixed)",
+    )
+    parser.add_argument(
+        "--no-run",
+        action="store_true",
+        help="smoke/pipeline: score the studies as they stand in --out, launching nothing (an arm still short of its budget is marked partial)",
+    )
     args = parser.parse_args()
     print(f"{os.cpu_count()} CPUs, load average {_load()} at start")
     if args.only != "efficiency":
@@ -103,17 +119,32 @@ def main() -> None:
 def _overhead(repeats: int, n_trials: int) -> None:
     runs = [_timed([sys.executable, "-m", "tbexp", "--cfg", "job"]) for _ in range(repeats)]
     wall, cpu = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
-    print(f"\n`python -m tbexp --cfg job`, median of {repeats}: {wall:.2f} s wall, {cpu:.2f} s CPU (target < 1 s); load {_load()}")
+    print(
+        f"\n`python -m tbexp --cfg job`, median of {repeats}: {wall:.2f} s wall, {cpu:.2f} s CPU (target < 1 s); load {_load()}"
+    )
     with tempfile.TemporaryDirectory(prefix="bench-sweep-") as tmp:
         one, many = _noop_sweep(Path(tmp), 1), _noop_sweep(Path(tmp), n_trials)
-    print(f"do-nothing sweep (tests/sweep_app, 1 trial at a time): 1 trial {one[0]:.1f} s wall / {one[1]:.1f} s CPU, {n_trials} trials {many[0]:.1f} s wall / {many[1]:.1f} s CPU; load {_load()}")
-    print(f"  per trial, all-in ({n_trials} trials / {n_trials}):  {many[0] / n_trials:.2f} s wall, {many[1] / n_trials:.2f} s CPU (target < 0.5 s)")
-    print(f"  per trial, marginal (({n_trials} - 1) / {n_trials - 1}): {(many[0] - one[0]) / (n_trials - 1):.2f} s wall, {(many[1] - one[1]) / (n_trials - 1):.2f} s CPU")
+    print(
+        f"do-nothing sweep (tests/sweep_app, 1 trial at a time): 1 trial {one[0]:.1f} s wall / {one[1]:.1f} s CPU, {n_trials} trials {many[0]:.1f} s wall / {many[1]:.1f} s CPU; load {_load()}"
+    )
+    print(
+        f"  per trial, all-in ({n_trials} trials / {n_trials}):  {many[0] / n_trials:.2f} s wall, {many[1] / n_trials:.2f} s CPU (target < 0.5 s)"
+    )
+    print(
+        f"  per trial, marginal (({n_trials} - 1) / {n_trials - 1}): {(many[0] - one[0]) / (n_trials - 1):.2f} s wall, {(many[1] - one[1]) / (n_trials - 1):.2f} s CPU"
+    )
 
 
 def _noop_sweep(tmp: Path, n_trials: int) -> tuple[float, float]:
     sweep_dir = tmp / f"noop-{n_trials}"
-    overrides = [f"hydra.sweep.dir={sweep_dir}", f"hydra.sweeper.storage=sqlite:///{tmp}/optuna.db", f"hydra.sweeper.study_name=noop-{n_trials}", f"hydra.sweeper.n_trials={n_trials}", "hydra.sweeper.n_jobs=1", "steps=1"]
+    overrides = [
+        f"hydra.sweep.dir={sweep_dir}",
+        f"hydra.sweeper.storage=sqlite:///{tmp}/optuna.db",
+        f"hydra.sweeper.study_name=noop-{n_trials}",
+        f"hydra.sweeper.n_trials={n_trials}",
+        "hydra.sweeper.n_jobs=1",
+        "steps=1",
+    ]
     timing = _timed([sys.executable, "-m", "tests.sweep_app.app", "-m", *overrides])
     from omegaconf import OmegaConf
 
@@ -141,12 +172,22 @@ def _efficiency(objective: str, n_seeds: int, out: Path, no_run: bool = False, f
 
     sweep, _ = OBJECTIVES[objective]
     settings = _sweep_settings(sweep)
-    pruner = "none" if settings.pruner.name == "none" else f"{settings.pruner.name} pruner on {settings.pruner.metric or settings.objective.metric}"
-    print(f"\nefficiency, objective={objective}: sweeps/{sweep}.yaml, {settings.n_trials} trials a study, {settings.n_jobs} at a time; {settings.sampler.name} + {pruner} against random without pruning; seeds {settings.sampler.seed}..{settings.sampler.seed + n_seeds - 1}")
+    pruner = (
+        "none"
+        if settings.pruner.name == "none"
+        else f"{settings.pruner.name} pruner on {settings.pruner.metric or settings.objective.metric}"
+    )
+    print(
+        f"\nefficiency, objective={objective}: sweeps/{sweep}.yaml, {settings.n_trials} trials a study, {settings.n_jobs} at a time; {settings.sampler.name} + {pruner} against random without pruning; seeds {settings.sampler.seed}..{settings.sampler.seed + n_seeds - 1}"
+    )
     if objective == "synthetic":
         steps, eval_every = _pipeline_schedule()
-        print(f"SYNTHETIC objective: made-up reward curves ({steps} GRPO steps, held-out eval at step 0 and every {eval_every}); shows the sampler and pruner mechanics, not tbexp's learning")
-    print(f"{'seed':>4} {'random best':>11} {'random steps to it':>18} {'tpe+pruning best':>16} {'tpe+pruning steps to it':>23} {'ratio':>6} {'total steps r / t':>17}")
+        print(
+            f"SYNTHETIC objective: made-up reward curves ({steps} GRPO steps, held-out eval at step 0 and every {eval_every}); shows the sampler and pruner mechanics, not tbexp's learning"
+        )
+    print(
+        f"{'seed':>4} {'random best':>11} {'random steps to it':>18} {'tpe+pruning best':>16} {'tpe+pruning steps to it':>23} {'ratio':>6} {'total steps r / t':>17}"
+    )
     ratios = []
     for seed in range(n_seeds):
         studies = {}
@@ -154,7 +195,11 @@ def _efficiency(objective: str, n_seeds: int, out: Path, no_run: bool = False, f
             if objective == "synthetic":
                 studies[mode] = _synthetic_study(OmegaConf.merge(settings, MODES[mode]), seed, steps, eval_every)
             else:
-                done = mode != "random" and not full_budget and _matched(_real_study(objective, mode, seed, out, launch=False), studies["random"])
+                done = (
+                    mode != "random"
+                    and not full_budget
+                    and _matched(_real_study(objective, mode, seed, out, launch=False), studies["random"])
+                )
                 studies[mode] = _real_study(objective, mode, seed, out, launch=not (no_run or done))
         waiting = [f"{mode} not begun" for mode, study in studies.items() if study is None]
         if studies["random"] is not None and not _complete(studies["random"]):
@@ -172,13 +217,21 @@ def _efficiency(objective: str, n_seeds: int, out: Path, no_run: bool = False, f
         tpe_reach = str(reach["tpe+pruning"]) if ratio is not None else f"not reached (>{total['tpe+pruning']})"
         shown = "-" if ratio is None else f"{ratio:.2f}"
         tpe_best = f"{studies['tpe+pruning'].best_value:.4f}" if _complete(studies["tpe+pruning"]) else "-"
-        partial = [mode for mode, trials in finished.items() if len(trials) < settings.n_trials]  # as the sweeper counts: interrupted trials left out
+        partial = [
+            mode for mode, trials in finished.items() if len(trials) < settings.n_trials
+        ]  # as the sweeper counts: interrupted trials left out
         note = f"  PARTIAL: {', '.join(partial)} short of {settings.n_trials} trials" if partial else ""
-        print(f"{seed:>4} {target:>11.4f} {reach['random']:>18} {tpe_best:>16} {tpe_reach:>23} {shown:>6} {total['random']:>8} / {total['tpe+pruning']:<6}{note}")
+        print(
+            f"{seed:>4} {target:>11.4f} {reach['random']:>18} {tpe_best:>16} {tpe_reach:>23} {shown:>6} {total['random']:>8} / {total['tpe+pruning']:<6}{note}"
+        )
     reached = [r for r in ratios if r is not None]
     median = f", median ratio {statistics.median(reached):.2f} over those" if reached else ""
-    unscored = f" ({n_seeds - len(ratios)} not scored yet, see above)" if len(ratios) < n_seeds else ""  # only with --no-run
-    print(f"tpe+pruning reached random's best in {len(reached)} of {len(ratios)} seeds{unscored}{median}; ratio <= 0.5 (the target) in {sum(r <= 0.5 for r in reached)} of {len(ratios)}; load {_load()}")
+    unscored = (
+        f" ({n_seeds - len(ratios)} not scored yet, see above)" if len(ratios) < n_seeds else ""
+    )  # only with --no-run
+    print(
+        f"tpe+pruning reached random's best in {len(reached)} of {len(ratios)} seeds{unscored}{median}; ratio <= 0.5 (the target) in {sum(r <= 0.5 for r in reached)} of {len(ratios)}; load {_load()}"
+    )
 
 
 def _sweep_settings(sweep: str) -> Any:
@@ -187,7 +240,9 @@ def _sweep_settings(sweep: str) -> Any:
 
     from hydra_plugins.tbexp_optuna_sweeper.config import TbexpOptunaSweeperConf
 
-    return OmegaConf.merge(OmegaConf.structured(TbexpOptunaSweeperConf), OmegaConf.load(REPO / "sweeps" / f"{sweep}.yaml").hydra.sweeper)
+    return OmegaConf.merge(
+        OmegaConf.structured(TbexpOptunaSweeperConf), OmegaConf.load(REPO / "sweeps" / f"{sweep}.yaml").hydra.sweeper
+    )
 
 
 def _finished(study: Any) -> list[tuple[int, float | None]]:
@@ -201,8 +256,18 @@ def _finished(study: Any) -> list[tuple[int, float | None]]:
 
     from tbexp.study import INTERRUPTED_ATTR, PRUNED_AT_ATTR
 
-    trials = sorted((t for t in study.get_trials(deepcopy=False) if t.state.is_finished() and not t.user_attrs.get(INTERRUPTED_ATTR)), key=lambda t: t.datetime_complete)
-    return [(int(t.user_attrs.get(PRUNED_AT_ATTR, t.last_step or 0)), t.value if t.state == TrialState.COMPLETE else None) for t in trials]
+    trials = sorted(
+        (
+            t
+            for t in study.get_trials(deepcopy=False)
+            if t.state.is_finished() and not t.user_attrs.get(INTERRUPTED_ATTR)
+        ),
+        key=lambda t: t.datetime_complete,
+    )
+    return [
+        (int(t.user_attrs.get(PRUNED_AT_ATTR, t.last_step or 0)), t.value if t.state == TrialState.COMPLETE else None)
+        for t in trials
+    ]
 
 
 def _steps_to_reach(finished: list[tuple[int, float | None]], target: float, maximize: bool) -> int | None:
@@ -219,7 +284,10 @@ def _matched(study: Any, random_study: Any) -> bool:
     """Whether a finished trial of `study` already matches random search's best (its ratio can no longer change)."""
     if study is None or random_study is None or not _complete(random_study):
         return False
-    return _steps_to_reach(_finished(study), random_study.best_value, random_study.direction.name == "MAXIMIZE") is not None
+    return (
+        _steps_to_reach(_finished(study), random_study.best_value, random_study.direction.name == "MAXIMIZE")
+        is not None
+    )
 
 
 def _complete(study: Any) -> bool:
@@ -234,9 +302,24 @@ def _real_study(objective: str, mode: str, seed: int, out: Path, launch: bool = 
     sweep, extra = OBJECTIVES[objective]
     name = f"bench-{objective}-{mode}-{seed}"
     storage = f"sqlite:///{out}/optuna.db"
-    changes = [f"hydra.sweeper.{group}.{key}={value}" for group, fields in MODES[mode].items() for key, value in fields.items()]
+    changes = [
+        f"hydra.sweeper.{group}.{key}={value}" for group, fields in MODES[mode].items() for key, value in fields.items()
+    ]
     seed_override = f"hydra.sweeper.sampler.seed={_sweep_settings(sweep).sampler.seed + seed}"
-    cmd = [sys.executable, "-m", "tbexp", "-m", *extra, f"+sweep={sweep}", f"hydra.sweeper.study_name={name}", f"hydra.sweeper.storage={storage}", f"hydra.sweep.dir={out}/{name}", seed_override, f"seed={seed}", *changes]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tbexp",
+        "-m",
+        *extra,
+        f"+sweep={sweep}",
+        f"hydra.sweeper.study_name={name}",
+        f"hydra.sweeper.storage={storage}",
+        f"hydra.sweep.dir={out}/{name}",
+        seed_override,
+        f"seed={seed}",
+        *changes,
+    ]
     if launch:
         out.mkdir(parents=True, exist_ok=True)
         print(f"  {' '.join(cmd[1:])}", flush=True)
@@ -275,15 +358,23 @@ def _synthetic_study(settings: Any, seed: int, steps: int, eval_every: int) -> A
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     sampler = _sampler(settings.sampler, settings.sampler.seed + seed)
-    study = optuna.create_study(direction=settings.objective.direction, sampler=sampler, pruner=make_pruner(OmegaConf.to_container(settings.pruner)))
+    study = optuna.create_study(
+        direction=settings.objective.direction,
+        sampler=sampler,
+        pruner=make_pruner(OmegaConf.to_container(settings.pruner)),
+    )
     space = SearchSpace(settings.params)
-    peak_metric = (settings.pruner.metric or settings.objective.metric) == "grpo/best_reward"  # GRPO's peak so far, else its latest eval
+    peak_metric = (
+        settings.pruner.metric or settings.objective.metric
+    ) == "grpo/best_reward"  # GRPO's peak so far, else its latest eval
     running: list[dict] = []
     started = 0
     while started < settings.n_trials or running:
         while len(running) < settings.n_jobs and started < settings.n_trials:
             trial = study.ask()
-            evals, final = _synthetic_run(space.suggest(trial), random.Random(f"{seed}:{trial.number}"), steps, eval_every)
+            evals, final = _synthetic_run(
+                space.suggest(trial), random.Random(f"{seed}:{trial.number}"), steps, eval_every
+            )
             running.append({"trial": trial, "evals": evals, "final": final, "step": 0, "peak": -math.inf})
             started += 1
         for run in list(running):
@@ -307,7 +398,9 @@ EVAL_SD = 0.03  # held-out mean reward over ~48 tasks x 2 runs, per-episode sd ~
 FINAL_SD = 0.025  # the final eval: 3 runs each
 
 
-def _synthetic_run(values: dict[str, Any], rng: random.Random, steps: int, eval_every: int) -> tuple[dict[int, float], float]:
+def _synthetic_run(
+    values: dict[str, Any], rng: random.Random, steps: int, eval_every: int
+) -> tuple[dict[int, float], float]:
     """Noisy held-out rewards at the eval steps, and the final eval of the peak checkpoint, for one trial.
 
     A made-up model of GRPO after SFT: reward rises from the SFT checkpoint's
@@ -323,7 +416,7 @@ def _synthetic_run(values: dict[str, Any], rng: random.Random, steps: int, eval_
     lr, rank, group = values["grpo.learning_rate"], values["model.lora_rank"], values["grpo.group_size"]
     lower, upper = values["task_filter.lower"], values["task_filter.upper"]
     best_lr = 1e-3 * math.sqrt(rank / 32)
-    q_lr = math.exp(-math.log10(lr / best_lr) ** 2 / (2 * 0.4**2))
+    q_lr = math.exp(-(math.log10(lr / best_lr) ** 2) / (2 * 0.4**2))
     q_rank = 1 - 0.075 * max(0.0, math.log2(32 / rank))
     q_group = 1 - 0.6 / group
     useful = max(0.0, min(upper, 0.8) - max(lower, 0.1)) / (upper - lower)

@@ -74,7 +74,9 @@ def main() -> None:
     parser.add_argument("--ffn", type=int, default=384)
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--check", action="store_true", help="measure held-out first-command exact match before and after SFT")
+    parser.add_argument(
+        "--check", action="store_true", help="measure held-out first-command exact match before and after SFT"
+    )
     parser.add_argument("--check-steps", type=int, default=300)
     parser.add_argument("--check-lr", type=float, default=2e-3)
     parser.add_argument("--check-lora-rank", type=int, default=0, help="0 = full fine-tuning")
@@ -86,18 +88,30 @@ def main() -> None:
     tokenizer = _train_tokenizer(corpus, args.vocab)
     renderer = make_renderer("plain", tokenizer)
     data = [renderer.supervised(messages)[0] for messages in corpus]
-    print(f"corpus: {len(corpus)} episodes, {sum(map(len, data))} tokens ({sum(map(len, data)) / len(data):.0f} per episode)")
+    print(
+        f"corpus: {len(corpus)} episodes, {sum(map(len, data))} tokens ({sum(map(len, data)) / len(data):.0f} per episode)"
+    )
 
     torch.manual_seed(args.seed)
     model = _build_model(args, tokenizer)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params:,} parameters")
-    losses = _train(model, [(t, [1.0] * len(t)) for t in data], tokenizer.pad_token_id, args, args.steps, args.lr, bucket=True)
+    losses = _train(
+        model, [(t, [1.0] * len(t)) for t in data], tokenizer.pad_token_id, args, args.steps, args.lr, bucket=True
+    )
     build_s = time.time() - started
 
-    record = {"seed": args.seed, "steps": args.steps, "params": n_params, "loss_first": round(_mean(losses[:25]), 3),
-              "loss_last": round(_mean(losses[-25:]), 3), "build_s": round(build_s, 1), "threads": args.threads,
-              "batch": args.batch, "check_steps": args.check_steps}
+    record = {
+        "seed": args.seed,
+        "steps": args.steps,
+        "params": n_params,
+        "loss_first": round(_mean(losses[:25]), 3),
+        "loss_last": round(_mean(losses[-25:]), 3),
+        "build_s": round(build_s, 1),
+        "threads": args.threads,
+        "batch": args.batch,
+        "check_steps": args.check_steps,
+    }
     _save(model.to("cpu"), tokenizer, args.out)
     print(f"saved {args.out} in {build_s:.0f} s")
     if args.check:
@@ -113,26 +127,56 @@ def main() -> None:
 # `git -c user.name`, `SELECT name ... > N ORDER BY name`, `grep -rl`, `tar -tf`/`-xOf`).
 
 ROOTS = ("/app", "/app", "/app", "/app", "/srv", "/home/user", "/workspace", "/root", "/opt/service")
-DIRS = ("src lib bin build dist assets static media conf etc tmp scripts vendor pkg web api images music videos photos "
-        "projects work repo www public private home spec fixtures templates layouts styles fonts icons migrations "
-        "models views routes handlers jobs queue reports input output results stats config cache tests logs").split()
-STEMS = ("main app server client index utils helpers settings changelog users accounts customers employees students books "
-         "movies songs cities countries colors animals fruits planets hosts ports routes words numbers values prices scores "
-         "grades temps readings sensors people contacts tasks builds deps packages modules paths urls links emails phones "
-         "stations trains flights hotels recipes ingredients events orders guests players teams").split()
+DIRS = (
+    "src lib bin build dist assets static media conf etc tmp scripts vendor pkg web api images music videos photos "
+    "projects work repo www public private home spec fixtures templates layouts styles fonts icons migrations "
+    "models views routes handlers jobs queue reports input output results stats config cache tests logs"
+).split()
+STEMS = (
+    "main app server client index utils helpers settings changelog users accounts customers employees students books "
+    "movies songs cities countries colors animals fruits planets hosts ports routes words numbers values prices scores "
+    "grades temps readings sensors people contacts tasks builds deps packages modules paths urls links emails phones "
+    "stations trains flights hotels recipes ingredients events orders guests players teams"
+).split()
 TEXT_EXTS = ("txt", "txt", "txt", "csv", "tsv", "log", "md", "conf", "ini", "yaml", "xml", "html")
 CODE_EXTS = ("py", "sh", "conf", "ini", "yaml", "xml", "html", "c", "h", "go", "js", "toml", "cfg", "bak", "tmp")
-WORDS = ("warning failed timeout hello world admin root guest debug token session secret user localhost port version "
-         "license copyright import return main fixme panic denied refused missing unknown deprecated foo bar baz http "
-         "https ssh cron python java node docker nginx redis kafka").split()
+WORDS = (
+    "warning failed timeout hello world admin root guest debug token session secret user localhost port version "
+    "license copyright import return main fixme panic denied refused missing unknown deprecated foo bar baz http "
+    "https ssh cron python java node docker nginx redis kafka"
+).split()
 KEYS = "id name title author year email status tags version host port user enabled role owner created url path lang label kind".split()
 VALUES = "active inactive admin guest open closed draft en de yes no linux".split()
-TABLES = "users accounts employees students books movies songs events sessions planets tickets tasks jobs players".split()
-COLUMNS = "id name email title year rank status salary grade pages length duration votes population distance speed".split()
+TABLES = (
+    "users accounts employees students books movies songs events sessions planets tickets tasks jobs players".split()
+)
+COLUMNS = (
+    "id name email title year rank status salary grade pages length duration votes population distance speed".split()
+)
 BRANCHES = "feature dev fix-login hotfix release staging experiment cleanup refactor next".split()
-MESSAGES = ("Fix typo", "Update docs", "Add tests", "Refactor parser", "Bump version", "Remove dead code", "Fix login bug",
-            "Add logging", "Update dependencies", "Clean up")
-PHRASES = ("hello world", "all good", "build passed", "it works", "copy complete", "ready", "ok", "no problems seen", "version 2")
+MESSAGES = (
+    "Fix typo",
+    "Update docs",
+    "Add tests",
+    "Refactor parser",
+    "Bump version",
+    "Remove dead code",
+    "Fix login bug",
+    "Add logging",
+    "Update dependencies",
+    "Clean up",
+)
+PHRASES = (
+    "hello world",
+    "all good",
+    "build passed",
+    "it works",
+    "copy complete",
+    "ready",
+    "ok",
+    "no problems seen",
+    "version 2",
+)
 PROGRAMS = "python3 bash git curl tar gzip make gcc node sqlite3 jq awk sed perl".split()
 PROCESSES = "nginx python3 sshd cron postgres redis-server node".split()
 VARIABLES = "HOME PATH USER SHELL LANG PWD TERM EDITOR".split()
@@ -180,22 +224,55 @@ class _Names:
         root = rng.choice(ROOTS)
         d, d2 = f"{root}/{dirs[0]}", f"{root}/{dirs[1]}"
         ext, code_ext = rng.choice(TEXT_EXTS), rng.choice(CODE_EXTS)
-        words, keys, columns = [self.name("words") for _ in range(3)], [self.name("keys") for _ in range(2)], [self.name("columns") for _ in range(2)]
+        words, keys, columns = (
+            [self.name("words") for _ in range(3)],
+            [self.name("keys") for _ in range(2)],
+            [self.name("columns") for _ in range(2)],
+        )
         k = rng.randint(1, 5)
         a, b = sorted(rng.sample(range(1, 30), 2))
         self.files = [f"{stems[i]}.{rng.choice(TEXT_EXTS)}" for i in range(4)]
         self.files[0] = f"{stems[0]}.{ext}"
         self.v = {
-            "root": root, "d": d, "d2": d2, "dname": dirs[0], "sub": f"{d}/{dirs[2]}",
-            "name": self.files[0], "f": f"{d}/{self.files[0]}", "f2": f"{d}/{self.files[1]}", "g": f"{d2}/{self.files[2]}",
-            "o": f"{root}/{stems[3]}.txt", "e": ext, "ce": code_ext,
-            "json": f"{d}/{stems[1]}.json", "db": f"{root}/{stems[2]}.{rng.choice(('db', 'sqlite'))}", "tgz": f"{root}/{dirs[0]}.tar.gz",
+            "root": root,
+            "d": d,
+            "d2": d2,
+            "dname": dirs[0],
+            "sub": f"{d}/{dirs[2]}",
+            "name": self.files[0],
+            "f": f"{d}/{self.files[0]}",
+            "f2": f"{d}/{self.files[1]}",
+            "g": f"{d2}/{self.files[2]}",
+            "o": f"{root}/{stems[3]}.txt",
+            "e": ext,
+            "ce": code_ext,
+            "json": f"{d}/{stems[1]}.json",
+            "db": f"{root}/{stems[2]}.{rng.choice(('db', 'sqlite'))}",
+            "tgz": f"{root}/{dirs[0]}.tar.gz",
             "script": f"{root}/{rng.choice(('run', 'deploy', 'install', 'start', 'check'))}.sh",
-            "w": words[0], "w2": words[1], "a": words[1], "b": words[2],
-            "key": keys[0], "key2": keys[1], "val": rng.choice(pools["values"]), "t": rng.choice(pools["tables"]), "c": columns[0], "c2": columns[1],
-            "br": rng.choice(BRANCHES), "msg": rng.choice(MESSAGES), "phrase": rng.choice(PHRASES), "prog": rng.choice(PROGRAMS),
-            "proc": rng.choice(PROCESSES), "var": rng.choice(VARIABLES), "k": str(k), "ord": ORDINALS[k - 1],
-            "n": str(rng.choice(NUMBERS)), "lo": str(a), "hi": str(b), "x": str(rng.randint(2, 99)), "y": str(rng.randint(2, 99)),
+            "w": words[0],
+            "w2": words[1],
+            "a": words[1],
+            "b": words[2],
+            "key": keys[0],
+            "key2": keys[1],
+            "val": rng.choice(pools["values"]),
+            "t": rng.choice(pools["tables"]),
+            "c": columns[0],
+            "c2": columns[1],
+            "br": rng.choice(BRANCHES),
+            "msg": rng.choice(MESSAGES),
+            "phrase": rng.choice(PHRASES),
+            "prog": rng.choice(PROGRAMS),
+            "proc": rng.choice(PROCESSES),
+            "var": rng.choice(VARIABLES),
+            "k": str(k),
+            "ord": ORDINALS[k - 1],
+            "n": str(rng.choice(NUMBERS)),
+            "lo": str(a),
+            "hi": str(b),
+            "x": str(rng.randint(2, 99)),
+            "y": str(rng.randint(2, 99)),
             "sep": rng.choice(SEPARATORS),
         }
 
@@ -215,10 +292,14 @@ class _Names:
     def lines(self, count: int | None = None) -> str:
         rng = self.rng
         vocabulary = self.pools["words"] + self.pools["keys"] + self.pools["values"]
-        return "\n".join(" ".join(rng.choices(vocabulary, k=rng.randint(2, 6))) for _ in range(count or rng.randint(1, 5)))
+        return "\n".join(
+            " ".join(rng.choices(vocabulary, k=rng.randint(2, 6))) for _ in range(count or rng.randint(1, 5))
+        )
 
     def listing(self) -> str:
-        names = sorted(set(self.files + [f"{s}.{self.rng.choice(TEXT_EXTS)}" for s in self.rng.sample(self.pools["stems"], 3)]))
+        names = sorted(
+            set(self.files + [f"{s}.{self.rng.choice(TEXT_EXTS)}" for s in self.rng.sample(self.pools["stems"], 3)])
+        )
         return "\n".join(names)
 
     def number(self) -> str:
@@ -290,22 +371,50 @@ TEMPLATES: tuple[tuple[str, str, str], ...] = (
     ("List the keys of the JSON object in <json>.", "jq 'keys' <json>", '[\n  "<key>",\n  "<key2>"\n]'),
     ("Pretty-print <json>.", "jq . <json>", '{\n  "<key>": "<val>"\n}'),
     ("Print the first element of the JSON array in <json>.", "jq '.[0]' <json>", '{\n  "<key>": "<val>"\n}'),
-    ("Print the records of <json> whose `<key>` is `<val>`.", "jq '.[] | select(.<key> == \"<val>\")' <json>", '{\n  "<key>": "<val>"\n}'),
+    (
+        "Print the records of <json> whose `<key>` is `<val>`.",
+        "jq '.[] | select(.<key> == \"<val>\")' <json>",
+        '{\n  "<key>": "<val>"\n}',
+    ),
     ("Print the largest `<key>` in the JSON array <json>.", "jq 'map(.<key>) | max' <json>", "number"),
     ("Print the `<key>` of every record in <json>, one per line.", "jq -r '.[].<key>' <json>", "lines"),
     ("List the tables of the SQLite database <db>.", "sqlite3 <db> '.tables'", "<t>"),
-    ("Show the schema of table `<t>` in <db>.", "sqlite3 <db> '.schema <t>'", "CREATE TABLE <t> (<c> TEXT, <c2> INTEGER);"),
+    (
+        "Show the schema of table `<t>` in <db>.",
+        "sqlite3 <db> '.schema <t>'",
+        "CREATE TABLE <t> (<c> TEXT, <c2> INTEGER);",
+    ),
     ("How many rows does the table `<t>` of <db> have?", "sqlite3 <db> 'SELECT COUNT(*) FROM <t>;'", "number"),
     ("Show the first <n> rows of table `<t>` in <db>.", "sqlite3 <db> 'SELECT * FROM <t> LIMIT <n>;'", "lines"),
-    ("Print the `<c>` of the rows of `<t>` in <db> whose `<c2>` is `<val>`.", "sqlite3 <db> \"SELECT <c> FROM <t> WHERE <c2> = '<val>';\"", "lines"),
+    (
+        "Print the `<c>` of the rows of `<t>` in <db> whose `<c2>` is `<val>`.",
+        "sqlite3 <db> \"SELECT <c> FROM <t> WHERE <c2> = '<val>';\"",
+        "lines",
+    ),
     ("Print the largest `<c>` in table `<t>` of <db>.", "sqlite3 <db> 'SELECT MAX(<c>) FROM <t>;'", "number"),
-    ("Delete the rows of `<t>` in <db> whose `<c>` is below <x>.", "sqlite3 <db> 'DELETE FROM <t> WHERE <c> < <x>;'", ""),
-    ("Show the state of the git repository in <d>.", "git -C <d> status", "On branch main\nnothing to commit, working tree clean"),
+    (
+        "Delete the rows of `<t>` in <db> whose `<c>` is below <x>.",
+        "sqlite3 <db> 'DELETE FROM <t> WHERE <c> < <x>;'",
+        "",
+    ),
+    (
+        "Show the state of the git repository in <d>.",
+        "git -C <d> status",
+        "On branch main\nnothing to commit, working tree clean",
+    ),
     ("Show the last <n> commits of the repository in <d>.", "git -C <d> log --oneline -n <n>", "a1b2c3d <msg>"),
-    ("Create a branch called `<br>` in <d> and switch to it.", "cd <d> && git checkout -b <br>", "Switched to a new branch '<br>'"),
+    (
+        "Create a branch called `<br>` in <d> and switch to it.",
+        "cd <d> && git checkout -b <br>",
+        "Switched to a new branch '<br>'",
+    ),
     ("Show the uncommitted changes in <d>.", "git -C <d> diff", "lines"),
     ("Stage <name> in the git repository <d>.", "cd <d> && git add <name>", ""),
-    ("Commit what is staged in <d> with the message `<msg>`.", "cd <d> && git commit -m '<msg>'", "[main a1b2c3d] <msg>"),
+    (
+        "Commit what is staged in <d> with the message `<msg>`.",
+        "cd <d> && git commit -m '<msg>'",
+        "[main a1b2c3d] <msg>",
+    ),
     ("Start a new empty git repository in <d>.", "git init <d>", "Initialized empty Git repository in <d>/.git/"),
     ("List the branches of the repository in <d>.", "git -C <d> branch", "* main\n  <br>"),
     ("Show which files changed in the last commit of <d>.", "git -C <d> show --stat HEAD", "<msg>\n <name> | <x> +++"),
@@ -353,7 +462,11 @@ TEMPLATES: tuple[tuple[str, str, str], ...] = (
     ("Compute <x> times <y> with Python.", "python3 -c 'print(<x> * <y>)'", "number"),
     ("Print the sum of <x> and <y>.", "echo $((<x> + <y>))", "number"),
     ("Delete every file listed in <f>.", "xargs rm < <f>", ""),
-    ("Print each .<e> file name in <d> followed by its first line.", 'for f in <d>/*.<e>; do echo "$f"; head -n 1 "$f"; done', "lines"),
+    (
+        "Print each .<e> file name in <d> followed by its first line.",
+        'for f in <d>/*.<e>; do echo "$f"; head -n 1 "$f"; done',
+        "lines",
+    ),
     ("Check whether <f> exists.", "test -e <f> && echo yes || echo no", "yes"),
     ("Check whether <d> is a directory.", "[ -d <d> ] && echo yes || echo no", "no"),
 )
@@ -369,15 +482,29 @@ def episodes(rng: random.Random, count: int) -> list[list[dict]]:
 
     agent = RawCommandAgent(SimpleNamespace(observation_limit_chars=2000))
     banned = _builtin_names()
-    pools = {name: [x for x in pool if x.lower() not in banned] for name, pool in
-             (("dirs", DIRS), ("stems", STEMS), ("words", WORDS), ("keys", KEYS), ("values", VALUES), ("tables", TABLES), ("columns", COLUMNS))}
+    pools = {
+        name: [x for x in pool if x.lower() not in banned]
+        for name, pool in (
+            ("dirs", DIRS),
+            ("stems", STEMS),
+            ("words", WORDS),
+            ("keys", KEYS),
+            ("values", VALUES),
+            ("tables", TABLES),
+            ("columns", COLUMNS),
+        )
+    }
     conversations = []
     for _ in range(count):
         names = _Names(rng, pools, banned)
         instruction, steps = _episode(rng, names)
-        messages = [{"role": "user", "content": agent.prompt(SimpleNamespace(instruction=instruction, workdir=names.v["root"]))}]
+        messages = [
+            {"role": "user", "content": agent.prompt(SimpleNamespace(instruction=instruction, workdir=names.v["root"]))}
+        ]
         for command, output, code in steps:
-            turn = Turn(reply=command, action=Action(commands=[command]), results=[ExecResult(output=output, exit_code=code)])
+            turn = Turn(
+                reply=command, action=Action(commands=[command]), results=[ExecResult(output=output, exit_code=code)]
+            )
             messages += [{"role": "assistant", "content": command}, {"role": "user", "content": agent.observe(turn)}]
         messages.append({"role": "assistant", "content": DONE})
         conversations.append(messages)
@@ -389,19 +516,35 @@ def _episode(rng: random.Random, names: _Names) -> tuple[str, list[tuple[str, st
     v = names.v
     shape = rng.random()
     if shape < 0.12:  # look around, then act on what the listing showed
-        return (names.fill(rng.choice(["Show the contents of the .<e> file in <d>.", "Print the only .<e> file in <d>."])),
-                [(names.fill("ls <d>"), "\n".join([v["name"]] + [f for f in names.files[1:] if not f.endswith("." + v["e"])]), 0),
-                 (names.fill("cat <f>"), names.lines(), 0)])
+        return (
+            names.fill(rng.choice(["Show the contents of the .<e> file in <d>.", "Print the only .<e> file in <d>."])),
+            [
+                (
+                    names.fill("ls <d>"),
+                    "\n".join([v["name"]] + [f for f in names.files[1:] if not f.endswith("." + v["e"])]),
+                    0,
+                ),
+                (names.fill("cat <f>"), names.lines(), 0),
+            ],
+        )
     if shape < 0.2:  # search, then use the path the search printed
-        return (names.fill("Find the file under <d> that mentions `<w>` and count its lines."),
-                [(names.fill("grep -rn '<w>' <d>"), names.fill("<f>:<x>:<w> <phrase>"), 0),
-                 (names.fill("wc -l <f>"), f"{names.number()} {v['f']}", 0)])
+        return (
+            names.fill("Find the file under <d> that mentions `<w>` and count its lines."),
+            [
+                (names.fill("grep -rn '<w>' <d>"), names.fill("<f>:<x>:<w> <phrase>"), 0),
+                (names.fill("wc -l <f>"), f"{names.number()} {v['f']}", 0),
+            ],
+        )
     if shape < 0.26:  # a wrong guess, an error, then a look and the fix
         missing = f"{v['d']}/{rng.choice(names.pools['stems'])}.{v['e']}"
-        return (names.fill("Print the .<e> file in <d>."),
-                [(f"cat {missing}", f"cat: {missing}: No such file or directory", 1),
-                 (names.fill("ls <d>"), names.listing(), 0),
-                 (names.fill("cat <f>"), names.lines(), 0)])
+        return (
+            names.fill("Print the .<e> file in <d>."),
+            [
+                (f"cat {missing}", f"cat: {missing}: No such file or directory", 1),
+                (names.fill("ls <d>"), names.listing(), 0),
+                (names.fill("cat <f>"), names.lines(), 0),
+            ],
+        )
     variants, command, output = rng.choice(TEMPLATES)
     instruction = names.fill(rng.choice(variants.split(" | ")))
     steps = [(names.fill(command), _output(names, output), 0)]
@@ -425,19 +568,41 @@ def _output(names: _Names, kind: str) -> str:
 
 def _train_tokenizer(corpus: list[list[dict]], vocab_size: int) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator((m["content"] for messages in corpus for m in messages), trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|end|>", additional_special_tokens=["<|user|>", "<|assistant|>"],
-                                   chat_template=CHAT_TEMPLATE, model_max_length=4096)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<|pad|>",
+        eos_token="<|end|>",
+        additional_special_tokens=["<|user|>", "<|assistant|>"],
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=4096,
+    )
 
 
 def _build_model(args, tokenizer) -> LlamaForCausalLM:
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=args.d_model, intermediate_size=args.ffn, num_hidden_layers=args.layers,
-        num_attention_heads=args.heads, num_key_value_heads=args.heads, max_position_embeddings=4096, tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None, rope_theta=10000.0,
+        vocab_size=len(tokenizer),
+        hidden_size=args.d_model,
+        intermediate_size=args.ffn,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.heads,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        rope_theta=10000.0,
     )
     model = LlamaForCausalLM(config)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
@@ -445,12 +610,18 @@ def _build_model(args, tokenizer) -> LlamaForCausalLM:
     return model
 
 
-def _train(model, examples: list[tuple[list[int], list[float]]], pad_id: int, args, steps: int, lr: float, bucket: bool) -> list[float]:
+def _train(
+    model, examples: list[tuple[list[int], list[float]]], pad_id: int, args, steps: int, lr: float, bucket: bool
+) -> list[float]:
     """AdamW on weighted next-token cross-entropy (mean over weighted tokens); returns the loss of each step."""
     model.to(args.device).train()
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=lr, betas=(0.9, 0.95), weight_decay=0.01
+    )
     warmup = max(1, steps // 20)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(s, steps) / steps))))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+    )
     losses, started = [], time.time()
     for step, chosen in enumerate(_batches(examples, args.batch, steps, random.Random(args.seed + 1), bucket)):
         tokens_B_T, weights_B_T, mask_B_T = _pad([examples[i] for i in chosen], pad_id, args.device)
@@ -465,7 +636,10 @@ def _train(model, examples: list[tuple[list[int], list[float]]], pad_id: int, ar
         schedule.step()
         losses.append(loss.item())
         if step % 25 == 0 or step == steps - 1:
-            print(f"step {step:4d}  loss {_mean(losses[-25:]):.3f}  lr {schedule.get_last_lr()[0]:.2e}  {time.time() - started:.0f} s", flush=True)
+            print(
+                f"step {step:4d}  loss {_mean(losses[-25:]):.3f}  lr {schedule.get_last_lr()[0]:.2e}  {time.time() - started:.0f} s",
+                flush=True,
+            )
     return losses
 
 
@@ -520,14 +694,18 @@ def _save(model, tokenizer, out: Path) -> None:
 def _describe(out: Path, c, vocab: int, record: dict) -> None:
     """README.md (what the model is, how it was built) and build.json (the numbers)."""
     check = record.get("check")
-    measured = "" if not check else f"""
+    measured = (
+        ""
+        if not check
+        else f"""
 Learnability (`--check`): the first command of the 40 held-out instances of train families is the oracle's
-in {check['before/exact_train_families']:.0%} of cases before SFT and {check['after/exact_train_families']:.0%} after full fine-tuning on the 400 train
-tasks' first commands ({record['check_steps']} steps, batch {record['batch']}); the 8 held-out-only instances: {check['before/exact_heldout_families']:.0%} -> {check['after/exact_heldout_families']:.0%}.
+in {check["before/exact_train_families"]:.0%} of cases before SFT and {check["after/exact_train_families"]:.0%} after full fine-tuning on the 400 train
+tasks' first commands ({record["check_steps"]} steps, batch {record["batch"]}); the 8 held-out-only instances: {check["before/exact_heldout_families"]:.0%} -> {check["after/exact_heldout_families"]:.0%}.
 """
+    )
     (out / "README.md").write_text(f"""# tiny: tbexp's built-in model
 
-A {record['params'] / 1e6:.2f}M-parameter `LlamaForCausalLM` (hidden {c.hidden_size}, {c.num_hidden_layers} layers,
+A {record["params"] / 1e6:.2f}M-parameter `LlamaForCausalLM` (hidden {c.hidden_size}, {c.num_hidden_layers} layers,
 {c.num_attention_heads} heads, MLP {c.intermediate_size}, tied embeddings) with a {vocab}-token byte-level BPE
 tokenizer, trained from scratch so that tbexp runs end to end without downloading anything (`model=tiny`,
 the default: `load_model` resolves `model.path=""` to this directory).
@@ -542,11 +720,11 @@ shell syntax, not the tasks, so what SFT and RL add is measurable.
 
 Built with
 
-    {BUILD_COMMAND} --seed {record['seed']} --steps {record['steps']}
+    {BUILD_COMMAND} --seed {record["seed"]} --steps {record["steps"]}
 
-{record['steps']} steps of {record['batch']} episodes, pretraining loss {record['loss_first']:.2f} -> {record['loss_last']:.2f}. A step takes
-about 0.15 s on 2 idle CPU cores, so the build takes a minute or two; this one took {record['build_s']:.0f} s on
-{record['threads']} threads of a shared machine (`build.json`). The build is deterministic for a given seed,
+{record["steps"]} steps of {record["batch"]} episodes, pretraining loss {record["loss_first"]:.2f} -> {record["loss_last"]:.2f}. A step takes
+about 0.15 s on 2 idle CPU cores, so the build takes a minute or two; this one took {record["build_s"]:.0f} s on
+{record["threads"]} threads of a shared machine (`build.json`). The build is deterministic for a given seed,
 CPU kind and torch version.
 {measured}""")
     (out / "build.json").write_text(json.dumps(record, indent=1) + "\n")
@@ -579,12 +757,24 @@ def check(args) -> dict[str, float]:
     unseen = [t for t in heldout if t.family in HELDOUT_FAMILIES]
 
     def measure(label: str) -> dict[str, float]:
-        replies = dict(zip([t.name for t in heldout], _greedy(model, tokenizer, renderer, [agent.prompt(t) for t in heldout], args.device)))
-        scores = {f"{label}/exact_train_families": _exact(seen, replies, first), f"{label}/exact_heldout_families": _exact(unseen, replies, first)}
-        print(f"{label}: first command exactly the oracle's on {scores[f'{label}/exact_train_families']:.2f} of {len(seen)} held-out "
-              f"instances of train families, {scores[f'{label}/exact_heldout_families']:.2f} of {len(unseen)} of held-out-only families")
+        replies = dict(
+            zip(
+                [t.name for t in heldout],
+                _greedy(model, tokenizer, renderer, [agent.prompt(t) for t in heldout], args.device),
+            )
+        )
+        scores = {
+            f"{label}/exact_train_families": _exact(seen, replies, first),
+            f"{label}/exact_heldout_families": _exact(unseen, replies, first),
+        }
+        print(
+            f"{label}: first command exactly the oracle's on {scores[f'{label}/exact_train_families']:.2f} of {len(seen)} held-out "
+            f"instances of train families, {scores[f'{label}/exact_heldout_families']:.2f} of {len(unseen)} of held-out-only families"
+        )
         for task in heldout[:: max(1, len(heldout) // 12)]:
-            print(f"  {task.family:18s} model: {replies[task.name][:110]!r}\n  {'':18s} oracle: {first[task.name][:110]!r}")
+            print(
+                f"  {task.family:18s} model: {replies[task.name][:110]!r}\n  {'':18s} oracle: {first[task.name][:110]!r}"
+            )
         return scores
 
     results = measure("before")
@@ -592,11 +782,20 @@ def check(args) -> dict[str, float]:
         from peft import LoraConfig, get_peft_model
 
         targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-        model = get_peft_model(model, LoraConfig(r=args.check_lora_rank, lora_alpha=2 * args.check_lora_rank, target_modules=targets))
-    examples = [renderer.supervised([{"role": "user", "content": agent.prompt(t)}, {"role": "assistant", "content": first[t.name]}]) for t in train]
+        model = get_peft_model(
+            model, LoraConfig(r=args.check_lora_rank, lora_alpha=2 * args.check_lora_rank, target_modules=targets)
+        )
+    examples = [
+        renderer.supervised(
+            [{"role": "user", "content": agent.prompt(t)}, {"role": "assistant", "content": first[t.name]}]
+        )
+        for t in train
+    ]
     started = time.time()
     _train(model, examples, tokenizer.pad_token_id, args, args.check_steps, args.check_lr, bucket=False)
-    print(f"fine-tuned ({'LoRA rank %d' % args.check_lora_rank if args.check_lora_rank else 'full'}) {args.check_steps} steps in {time.time() - started:.0f} s")
+    print(
+        f"fine-tuned ({'LoRA rank %d' % args.check_lora_rank if args.check_lora_rank else 'full'}) {args.check_steps} steps in {time.time() - started:.0f} s"
+    )
     return results | measure("after")
 
 
@@ -605,7 +804,9 @@ def _exact(tasks, replies: dict[str, str], first: dict[str, str]) -> float:
 
 
 @torch.no_grad()
-def _greedy(model, tokenizer, renderer, prompts: list[str], device: str, max_new_tokens: int = 120, batch: int = 16) -> list[str]:
+def _greedy(
+    model, tokenizer, renderer, prompts: list[str], device: str, max_new_tokens: int = 120, batch: int = 16
+) -> list[str]:
     model.to(device).eval()
     replies = []
     for start in range(0, len(prompts), batch):
@@ -613,8 +814,14 @@ def _greedy(model, tokenizer, renderer, prompts: list[str], device: str, max_new
         length = max(map(len, rendered))
         ids = torch.tensor([[tokenizer.pad_token_id] * (length - len(r)) + r for r in rendered], device=device)
         mask = torch.tensor([[0] * (length - len(r)) + [1] * len(r) for r in rendered], device=device)
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                             eos_token_id=renderer.stop(), pad_token_id=tokenizer.pad_token_id)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=renderer.stop(),
+            pad_token_id=tokenizer.pad_token_id,
+        )
         replies += [renderer.decode_reply(row[length:].tolist()) for row in out]
     model.train()
     return replies

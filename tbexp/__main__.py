@@ -52,7 +52,10 @@ def main(cfg: DictConfig) -> float:
     key = cfg.trial.objective or OBJECTIVE
     objective = float(metrics.get(key, float("nan")))  # stages without a held-out score give no objective
     if key in metrics and math.isnan(objective):  # a sweep fails such a trial; say why here, where the eval's table is
-        print(f"tbexp: the objective {key} is NaN: its eval scored no valid episode (see the eval's tasks.csv)", file=sys.stderr)
+        print(
+            f"tbexp: the objective {key} is NaN: its eval scored no valid episode (see the eval's tasks.csv)",
+            file=sys.stderr,
+        )
     return objective
 
 

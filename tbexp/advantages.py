@@ -27,7 +27,9 @@ from typing import Any
 STD_EPSILON = 1e-6  # keeps a group with a tiny spread from blowing its advantages up
 
 
-def group_advantages(scores: list[float], scale_by_std: bool = False, negative_weight: float = 1.0) -> list[float] | None:
+def group_advantages(
+    scores: list[float], scale_by_std: bool = False, negative_weight: float = 1.0
+) -> list[float] | None:
     """Each score's advantage within its group, or None when the group teaches nothing (fewer than two, all equal).
 
     >>> group_advantages([1.0, 0.0, 0.5, 0.5])
@@ -44,7 +46,15 @@ def group_advantages(scores: list[float], scale_by_std: bool = False, negative_w
     return [(s - mean) / scale * (negative_weight if s < mean else 1.0) for s in scores]
 
 
-def grpo_datums(episodes: list, rewards: dict[int, float], scale_by_std: bool, reference: Any, kl_coef: float, normalize: str = "token", negative_weight: float = 1.0) -> tuple[list, dict[str, float]]:
+def grpo_datums(
+    episodes: list,
+    rewards: dict[int, float],
+    scale_by_std: bool,
+    reference: Any,
+    kl_coef: float,
+    normalize: str = "token",
+    negative_weight: float = 1.0,
+) -> tuple[list, dict[str, float]]:
     """The step's datums and counts (groups, groups_skipped, datums, sampled_tokens, and kl_start with a reference).
 
     `rewards` is keyed by id(episode) (tbexp.scoring.score_episodes); `reference` is a sampler over the
@@ -79,7 +89,12 @@ def grpo_datums(episodes: list, rewards: dict[int, float], scale_by_std: bool, r
                 token_advantages[at] = (advantage - kl_coef * kl) / share
         inputs = {"target_tokens": tokens[1:], "logprobs": logprobs[1:], "advantages": token_advantages[1:]}
         datums.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=inputs))
-    counts = {"groups": float(len(groups)), "groups_skipped": float(skipped), "datums": float(len(datums)), "sampled_tokens": float(n_sampled)}
+    counts = {
+        "groups": float(len(groups)),
+        "groups_skipped": float(skipped),
+        "datums": float(len(datums)),
+        "sampled_tokens": float(n_sampled),
+    }
     if reference is not None and n_sampled:
         counts["kl_start"] = kl_sum / n_sampled
     return datums, counts

@@ -15,7 +15,9 @@ from typing import Any
 from tbexp.backends.base import TrainingBackend
 
 
-def make_backend(cfg: Any, save_dir: Path, logit_scale_lr_factor: float = 0.0, service_client: Any = None) -> TrainingBackend:
+def make_backend(
+    cfg: Any, save_dir: Path, logit_scale_lr_factor: float = 0.0, service_client: Any = None
+) -> TrainingBackend:
     """The backend `cfg.backend` names, holding `cfg.model`, with checkpoints under `save_dir`.
 
     `logit_scale_lr_factor`: how fast `model.logit_scale` trains, relative to the stage's lr (0: it stays put).
@@ -25,7 +27,16 @@ def make_backend(cfg: Any, save_dir: Path, logit_scale_lr_factor: float = 0.0, s
     if cfg.backend.name == "tinker":
         from tbexp.backends.tinker_backend import TinkerBackend
 
-        return TinkerBackend(m.path or m.name, lora_rank=m.lora_rank, lora_dropout=m.lora_dropout, lora_targets=list(m.lora_targets), logit_scale=m.logit_scale, seed=cfg.seed, base_url=cfg.backend.base_url, service_client=service_client)
+        return TinkerBackend(
+            m.path or m.name,
+            lora_rank=m.lora_rank,
+            lora_dropout=m.lora_dropout,
+            lora_targets=list(m.lora_targets),
+            logit_scale=m.logit_scale,
+            seed=cfg.seed,
+            base_url=cfg.backend.base_url,
+            service_client=service_client,
+        )
     if cfg.backend.name != "local":
         raise ValueError(f"backend.name={cfg.backend.name!r}: choose local or tinker")
     import torch
@@ -39,18 +50,36 @@ def make_backend(cfg: Any, save_dir: Path, logit_scale_lr_factor: float = 0.0, s
     model, tokenizer = load_model(m, device=device)
     b = cfg.backend
     return LocalBackend(
-        model, tokenizer, lora_rank=m.lora_rank, lora_alpha=m.lora_alpha, lora_dropout=m.lora_dropout, lora_targets=list(m.lora_targets), lora_target_parameters=list(m.lora_target_parameters),
-        logit_scale=m.logit_scale, logit_scale_lr_factor=logit_scale_lr_factor,
-        device=device, seed=cfg.seed, save_dir=save_dir, microbatch_tokens=b.microbatch_tokens, gradient_checkpointing=b.gradient_checkpointing, packing=b.packing,
-        dtype=b.dtype or None, compile_backend=b.compile or None, cuda_graph_sampling=b.cuda_graph_sampling, train_threads=b.train_threads or None,
-        continuous_batching=b.continuous_batching, kv_cache_tokens=b.kv_cache_tokens,
+        model,
+        tokenizer,
+        lora_rank=m.lora_rank,
+        lora_alpha=m.lora_alpha,
+        lora_dropout=m.lora_dropout,
+        lora_targets=list(m.lora_targets),
+        lora_target_parameters=list(m.lora_target_parameters),
+        logit_scale=m.logit_scale,
+        logit_scale_lr_factor=logit_scale_lr_factor,
+        device=device,
+        seed=cfg.seed,
+        save_dir=save_dir,
+        microbatch_tokens=b.microbatch_tokens,
+        gradient_checkpointing=b.gradient_checkpointing,
+        packing=b.packing,
+        dtype=b.dtype or None,
+        compile_backend=b.compile or None,
+        cuda_graph_sampling=b.cuda_graph_sampling,
+        train_threads=b.train_threads or None,
+        continuous_batching=b.continuous_batching,
+        kv_cache_tokens=b.kv_cache_tokens,
     )
 
 
 def sampling_params(settings: Any, stop: Any, seed: int | None = None):
     from tinker import types
 
-    return types.SamplingParams(max_tokens=settings.max_tokens, temperature=settings.temperature, top_p=settings.top_p, stop=stop, seed=seed)
+    return types.SamplingParams(
+        max_tokens=settings.max_tokens, temperature=settings.temperature, top_p=settings.top_p, stop=stop, seed=seed
+    )
 
 
 def model_runtime(cfg: Any, sampler: Any, settings: Any, seed: int | None = None):
@@ -63,7 +92,9 @@ def model_runtime(cfg: Any, sampler: Any, settings: Any, seed: int | None = None
 
     renderer = make_renderer(cfg.model.renderer, sampler.tokenizer)
     # Without a seed each call draws from the backend's RNG, so n runs of a task differ.
-    return ModelRuntime(sampler, renderer, sampling_params(settings, renderer.stop()), cfg.model.max_length_tokens, seed)
+    return ModelRuntime(
+        sampler, renderer, sampling_params(settings, renderer.stop()), cfg.model.max_length_tokens, seed
+    )
 
 
 def eval_seed(cfg: Any) -> int:
@@ -72,7 +103,9 @@ def eval_seed(cfg: Any) -> int:
     return cfg.seed * 7919 + 17
 
 
-def run_policy(job: Any, tasks: list, n_runs: int, concurrency: int, policy: str, runtime: Any = None, desc: str = "episodes") -> list:
+def run_policy(
+    job: Any, tasks: list, n_runs: int, concurrency: int, policy: str, runtime: Any = None, desc: str = "episodes"
+) -> list:
     """`n_runs` episodes of `policy` on every task, each in a fresh sandbox, `concurrency` at a time.
 
     The policy is built once per task before any sandbox starts, so a policy that
@@ -81,7 +114,6 @@ def run_policy(job: Any, tasks: list, n_runs: int, concurrency: int, policy: str
     """
     from tbexp.policies import make_policy
     from tbexp.rollout import run_episode, run_episodes
-
     from tbexp.sandboxes.environments import prepare_environments
 
     agent = job.agent
@@ -94,7 +126,14 @@ def run_policy(job: Any, tasks: list, n_runs: int, concurrency: int, policy: str
     tasks = [task for task in tasks if task.name not in unrunnable]
 
     def run_one(task, run_index):
-        return run_episode(task, run_index, agent, lambda t, a: make_policy(policy, t, a, runtime, run_index), job.sandbox_settings, job.cfg.agent.max_turns)
+        return run_episode(
+            task,
+            run_index,
+            agent,
+            lambda t, a: make_policy(policy, t, a, runtime, run_index),
+            job.sandbox_settings,
+            job.cfg.agent.max_turns,
+        )
 
     jobs = [(task, r) for r in range(n_runs) for task in tasks]
     return run_episodes(jobs, concurrency, run_one, desc=desc)

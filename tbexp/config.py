@@ -9,7 +9,6 @@ point calls right after composition, before any work starts.
 
 from __future__ import annotations
 
-from tbexp.errors import TbexpError
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from tbexp.errors import TbexpError
 
 
 # The string choices. A StrEnum compares equal to its value and formats as it, so `cfg.policy == "model"` and
@@ -98,7 +98,6 @@ class PipelinePart(StrEnum):
     eval = "eval"
 
 
-
 @dataclass
 class ModelConfig:
     name: str = "tiny"
@@ -107,8 +106,12 @@ class ModelConfig:
     lora_rank: int = 8
     lora_alpha: float = 16.0
     lora_dropout: float = 0.0
-    lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-    lora_target_parameters: list[str] = field(default_factory=list)  # raw parameters (MoE experts' 3-D weights) for peft's target_parameters
+    lora_targets: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    lora_target_parameters: list[str] = field(
+        default_factory=list
+    )  # raw parameters (MoE experts' 3-D weights) for peft's target_parameters
     logit_scale: bool = False  # a trainable scalar on the logits that GRPO learns (backends/logit_scale.py says why); local backend only
     max_length_tokens: int = 2048
 
@@ -165,7 +168,9 @@ class TasksConfig:
     split: Split = Split.heldout  # builtin
     families: list[str] = field(default_factory=list)  # [] = all
     limit: int = 0  # first N tasks after sorting; 0 = all
-    rl_share: float = 0.0  # builtin: share of each family's train tasks kept for RL only; SFT never sees their solutions
+    rl_share: float = (
+        0.0  # builtin: share of each family's train tasks kept for RL only; SFT never sees their solutions
+    )
     strict: bool = False  # true: a task that cannot be loaded is fatal; false: it is listed and the rest runs
 
 
@@ -175,7 +180,9 @@ class SandboxConfig:
     name: str = "bwrap"
     rootfs: str = "${cache_dir}/rootfs"  # bwrap: root file system (read-only)
     base_image: str = "tbexp-base:bookworm"  # docker: tag the task Dockerfiles start FROM
-    environment_source: str = "auto"  # bwrap: roots of other environments from docker | debootstrap | auto (docker if an engine answers)
+    environment_source: str = (
+        "auto"  # bwrap: roots of other environments from docker | debootstrap | auto (docker if an engine answers)
+    )
     command_timeout_s: float = 30.0  # one exec; the command is killed after this
     output_limit_bytes: int = 65536  # one exec's stdout+stderr; beyond it the command is killed
     pids_limit: int = 128  # processes and threads in one sandbox
@@ -211,7 +218,9 @@ class EvalConfig:
     n_runs: int = 3  # attempts per task; pass@1 is averaged over them
     concurrency: int = 4  # episodes at once
     save_episodes: int = 20  # transcripts kept under episodes/; 0 = none
-    candidates: list[str] = field(default_factory=list)  # compare these (policy names or checkpoints), the first being the incumbent
+    candidates: list[str] = field(
+        default_factory=list
+    )  # compare these (policy names or checkpoints), the first being the incumbent
     promote_by: str = "eval/strict_success"  # the metric a challenger must beat the incumbent on
     promote_margin: float = 0.0  # ... by more than this
 
@@ -258,10 +267,16 @@ class GRPOConfig:
     clip_low_threshold: float = 0.8  # ppo: ratio bounds
     clip_high_threshold: float = 1.2
     scale_by_std: bool = False  # advantage = (reward - group mean) / group std
-    negative_weight: float = 1.0  # scales below-mean advantages; 1 = plain GRPO, 0 = learn from above-mean episodes only
-    logit_scale_lr_factor: float = 100.0  # with model.logit_scale: its lr = learning_rate x this (one number moves ~lr an Adam step)
+    negative_weight: float = (
+        1.0  # scales below-mean advantages; 1 = plain GRPO, 0 = learn from above-mean episodes only
+    )
+    logit_scale_lr_factor: float = (
+        100.0  # with model.logit_scale: its lr = learning_rate x this (one number moves ~lr an Adam step)
+    )
     updates_per_step: int = 1  # optimizer steps on each step's samples (use ppo for more than 1)
-    normalize: Normalize = Normalize.token  # token: loss = mean over the step's sampled tokens | episode: mean over episodes of their token means
+    normalize: Normalize = (
+        Normalize.token
+    )  # token: loss = mean over the step's sampled tokens | episode: mean over episodes of their token means
     kl_coef: float = 0.0  # penalty on log(pi/pi_start) of the sampled tokens; 0 = off
     concurrency: int = 8  # episodes at once
     eval_every: int = 5  # steps between held-out evals (each keeps its checkpoint); the start is evaluated too
@@ -358,7 +373,11 @@ def check(cfg: Any) -> None:
         raise ConfigError(f"task_filter.lower={f.lower} must be below task_filter.upper={f.upper}")
     if f.k < 1:
         raise ConfigError(f"task_filter.k={f.k}: need at least one sample per task")
-    for key, value in (("eval.n_runs", cfg.eval.n_runs), ("eval.concurrency", cfg.eval.concurrency), ("agent.max_turns", cfg.agent.max_turns)):
+    for key, value in (
+        ("eval.n_runs", cfg.eval.n_runs),
+        ("eval.concurrency", cfg.eval.concurrency),
+        ("agent.max_turns", cfg.agent.max_turns),
+    ):
         if value < 1:
             raise ConfigError(f"{key}={value}: must be at least 1")
     for key, value in (("backend.threads", cfg.backend.threads), ("backend.train_threads", cfg.backend.train_threads)):
@@ -370,18 +389,35 @@ def check(cfg: Any) -> None:
         raise ConfigError("tasks.source=dir needs tasks.path=<directory of Harbor task directories>")
     if not 0.0 < cfg.sft.val_fraction < 1.0:
         raise ConfigError(f"sft.val_fraction={cfg.sft.val_fraction}: must lie strictly between 0 and 1")
-    for key, value in (("sft.steps", cfg.sft.steps), ("sft.batch_size", cfg.sft.batch_size), ("sft.eval_every", cfg.sft.eval_every)):
+    for key, value in (
+        ("sft.steps", cfg.sft.steps),
+        ("sft.batch_size", cfg.sft.batch_size),
+        ("sft.eval_every", cfg.sft.eval_every),
+    ):
         if value < 1:
             raise ConfigError(f"{key}={value}: must be at least 1")
     g = cfg.grpo
-    for key, value in (("grpo.steps", g.steps), ("grpo.groups_per_step", g.groups_per_step), ("grpo.eval_every", g.eval_every), ("grpo.eval_n_runs", g.eval_n_runs), ("grpo.concurrency", g.concurrency), ("grpo.updates_per_step", g.updates_per_step)):
+    for key, value in (
+        ("grpo.steps", g.steps),
+        ("grpo.groups_per_step", g.groups_per_step),
+        ("grpo.eval_every", g.eval_every),
+        ("grpo.eval_n_runs", g.eval_n_runs),
+        ("grpo.concurrency", g.concurrency),
+        ("grpo.updates_per_step", g.updates_per_step),
+    ):
         if value < 1:
             raise ConfigError(f"{key}={value}: must be at least 1")
     if g.group_size < 2:
         raise ConfigError(f"grpo.group_size={g.group_size}: a group needs at least 2 episodes to compare")
     if not 0.0 < g.clip_low_threshold < 1.0 < g.clip_high_threshold:
-        raise ConfigError(f"grpo.clip_low_threshold={g.clip_low_threshold}, grpo.clip_high_threshold={g.clip_high_threshold}: need low < 1 < high")
+        raise ConfigError(
+            f"grpo.clip_low_threshold={g.clip_low_threshold}, grpo.clip_high_threshold={g.clip_high_threshold}: need low < 1 < high"
+        )
     if not 0.0 <= g.negative_weight <= 1.0:
-        raise ConfigError(f"grpo.negative_weight={g.negative_weight}: must lie in [0, 1] (0 keeps only the above-mean episodes)")
+        raise ConfigError(
+            f"grpo.negative_weight={g.negative_weight}: must lie in [0, 1] (0 keeps only the above-mean episodes)"
+        )
     if g.logit_scale_lr_factor < 0:
-        raise ConfigError(f"grpo.logit_scale_lr_factor={g.logit_scale_lr_factor}: must be >= 0 (0 keeps the logit scale where it starts)")
+        raise ConfigError(
+            f"grpo.logit_scale_lr_factor={g.logit_scale_lr_factor}: must be >= 0 (0 keeps the logit scale where it starts)"
+        )

@@ -21,15 +21,21 @@ DEFAULT_STORAGE = "sqlite:///multirun/optuna.db"
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m tbexp.dashboard", description=__doc__.splitlines()[0])
-    parser.add_argument("storage", nargs="?", default=DEFAULT_STORAGE, help=f"study storage (default {DEFAULT_STORAGE})")
+    parser.add_argument(
+        "storage", nargs="?", default=DEFAULT_STORAGE, help=f"study storage (default {DEFAULT_STORAGE})"
+    )
     parser.add_argument("--port", type=int, default=8080)
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)"
+    )
     args = parser.parse_args(argv)
 
     storage = _absolute(args.storage)
     missing = _missing_file(storage)
     if missing:
-        sys.exit(f"tbexp.dashboard: no study storage at {missing}; run a sweep first (python -m tbexp -m +sweep=smoke) or pass STORAGE")
+        sys.exit(
+            f"tbexp.dashboard: no study storage at {missing}; run a sweep first (python -m tbexp -m +sweep=smoke) or pass STORAGE"
+        )
     import optuna_dashboard
 
     from tbexp.study import open_storage

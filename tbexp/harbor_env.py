@@ -90,7 +90,9 @@ class SandboxEnvironment(BaseEnvironment):
     def _validate_definition(self) -> None:
         dockerfile = Path(self.environment_dir) / "Dockerfile"
         if not dockerfile.is_file():
-            raise FileNotFoundError(f"{dockerfile}: missing; tbexp sandboxes build every task from its Dockerfile (no prebuilt docker_image, no compose)")
+            raise FileNotFoundError(
+                f"{dockerfile}: missing; tbexp sandboxes build every task from its Dockerfile (no prebuilt docker_image, no compose)"
+            )
         if self.network_policy.network_mode != NetworkMode.NO_NETWORK:
             raise ValueError(
                 f"{self.environment_name}: network_mode={self.network_policy.network_mode.value!r}, "
@@ -99,7 +101,11 @@ class SandboxEnvironment(BaseEnvironment):
 
     def _apply_task_resources(self) -> None:
         """The task's own limits win over the node's defaults, as in Harbor's environments."""
-        for key, value in (("memory_mb", self._effective_memory_mb), ("disk_mb", self._effective_storage_mb), ("cpus", self._effective_cpus)):
+        for key, value in (
+            ("memory_mb", self._effective_memory_mb),
+            ("disk_mb", self._effective_storage_mb),
+            ("cpus", self._effective_cpus),
+        ):
             if value:
                 self.settings[key] = value
 
@@ -109,7 +115,14 @@ class SandboxEnvironment(BaseEnvironment):
     async def start(self, force_build: bool) -> None:
         await self._call(self.sandbox.start)
         paths = EnvironmentPaths.for_os(self.os)
-        dirs = dict.fromkeys([str(paths.agent_dir), str(paths.verifier_dir), str(paths.artifacts_dir), *self._mount_targets(writable_only=True)])
+        dirs = dict.fromkeys(
+            [
+                str(paths.agent_dir),
+                str(paths.verifier_dir),
+                str(paths.artifacts_dir),
+                *self._mount_targets(writable_only=True),
+            ]
+        )
         await self.ensure_dirs(list(dirs))  # what Harbor's local environments get from their mounts
 
     async def stop(self, delete: bool) -> None:
@@ -166,7 +179,9 @@ class BwrapEnvironment(SandboxEnvironment):
         super()._validate_definition()
         from tbexp.sandboxes.dockerfile import read_dockerfile
 
-        read_dockerfile(Path(self.environment_dir) / "Dockerfile")  # an unreadable Dockerfile is refused now, not mid-trial
+        read_dockerfile(
+            Path(self.environment_dir) / "Dockerfile"
+        )  # an unreadable Dockerfile is refused now, not mid-trial
 
 
 class DockerEnvironment(SandboxEnvironment):

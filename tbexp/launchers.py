@@ -40,7 +40,9 @@ from tbexp.config import register
 
 register()
 log = logging.getLogger(__name__)
-warnings.filterwarnings("ignore", message=r"(?s).*'hydra/launcher/submitit_(local|slurm)' is validated against ConfigStore schema")
+warnings.filterwarnings(
+    "ignore", message=r"(?s).*'hydra/launcher/submitit_(local|slurm)' is validated against ConfigStore schema"
+)
 
 
 def devices_for_job(job_num: int, machine_gpus: list[str], per_job: int) -> list[str]:
@@ -66,7 +68,9 @@ def machine_gpus() -> list[str]:
     if chosen:
         return [d.strip() for d in chosen.split(",") if d.strip()]
     try:
-        listed = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
+        listed = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True, text=True, timeout=30
+        )
     except (OSError, subprocess.TimeoutExpired):
         return []
     return [line.strip() for line in listed.stdout.splitlines() if line.strip()] if listed.returncode == 0 else []

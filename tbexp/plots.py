@@ -18,7 +18,10 @@ def plot_eval(rows: list[dict[str, Any]], metrics: dict[str, float], path: Path,
     for row in rows:
         families[row["family"]].append(row)
     names = sorted(families)
-    strict = [sum(r["strict"] for r in families[f]) / max(sum(r["runs"] - r["invalid"] for r in families[f]), 1) for f in names]
+    strict = [
+        sum(r["strict"] for r in families[f]) / max(sum(r["runs"] - r["invalid"] for r in families[f]), 1)
+        for f in names
+    ]
     reward = [sum(r["reward"] for r in families[f]) / len(families[f]) for f in names]
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(names) + 2), 4))
     xs = range(len(names))
@@ -26,7 +29,9 @@ def plot_eval(rows: list[dict[str, Any]], metrics: dict[str, float], path: Path,
     ax.bar([x + 0.2 for x in xs], reward, width=0.4, label="mean reward")
     ax.set_xticks(list(xs), names, rotation=30, ha="right")
     ax.set_ylim(0, 1.3)  # headroom for the legend
-    ax.set_title(f"{title}\nstrict {metrics['eval/strict_success']:.3f}, reward {metrics['eval/reward']:.3f}, pass@1 {metrics['eval/pass@1']:.3f} ± {metrics['eval/pass@1_stderr']:.3f}")
+    ax.set_title(
+        f"{title}\nstrict {metrics['eval/strict_success']:.3f}, reward {metrics['eval/reward']:.3f}, pass@1 {metrics['eval/pass@1']:.3f} ± {metrics['eval/pass@1_stderr']:.3f}"
+    )
     ax.legend(loc="upper right", ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -34,7 +39,13 @@ def plot_eval(rows: list[dict[str, Any]], metrics: dict[str, float], path: Path,
     return path
 
 
-def plot_curve(points: list[tuple[float, float]], path: Path, title: str, mark: float | None = None, ylabel: str = "held-out reward") -> Path:
+def plot_curve(
+    points: list[tuple[float, float]],
+    path: Path,
+    title: str,
+    mark: float | None = None,
+    ylabel: str = "held-out reward",
+) -> Path:
     """One line over steps, with the chosen step marked."""
     import matplotlib
 

@@ -13,7 +13,6 @@ tokens, never a re-tokenised copy.
 
 from __future__ import annotations
 
-from tbexp.errors import TbexpError
 import shlex
 import threading
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from tbexp.agents.base import Agent
+from tbexp.errors import TbexpError
 from tbexp.tasks.harbor_task import Task
 
 # A line opening a block must close it on the same line; a line starting with a closer continues an earlier one.
@@ -44,7 +44,9 @@ class OraclePolicy:
     def __init__(self, task: Task, agent: Agent):
         script = task.solution_script
         if script is None:
-            raise PolicyError(f"{task.path / 'solution' / 'solve.sh'}: missing, so policy=oracle cannot solve {task.name}")
+            raise PolicyError(
+                f"{task.path / 'solution' / 'solve.sh'}: missing, so policy=oracle cannot solve {task.name}"
+            )
         lines = solution_turns(script.read_text())
         self.uploads: dict[Path, str] = {}
         if lines is None:
@@ -74,7 +76,9 @@ class ModelRuntime:
     renderer: Any  # tbexp.renderers.Renderer
     params: Any  # tinker.types.SamplingParams
     max_context_tokens: int = 2048
-    seed: int | None = None  # set: each reply's seed is a function of (seed, task, run, turn), so thread order does not matter
+    seed: int | None = (
+        None  # set: each reply's seed is a function of (seed, task, run, turn), so thread order does not matter
+    )
     lock: threading.Lock = field(default_factory=threading.Lock)  # one sample at a time: the CPU is shared anyway
     queue: Any = None  # a sampler that answers many prompts at once gets its concurrent requests batched
 
@@ -170,7 +174,9 @@ def solution_turns(script: str) -> list[str] | None:
 POLICIES = {"oracle": OraclePolicy, "nop": NopPolicy}
 
 
-def make_policy(name: str, task: Task, agent: Agent, runtime: ModelRuntime | None = None, run: int = 0) -> EpisodePolicy:
+def make_policy(
+    name: str, task: Task, agent: Agent, runtime: ModelRuntime | None = None, run: int = 0
+) -> EpisodePolicy:
     if name == "model":
         if runtime is None:
             raise PolicyError("policy=model needs a sampler: the stage builds it from backend= and model=")

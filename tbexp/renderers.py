@@ -31,8 +31,9 @@ that every assistant turn keeps the tokens it was sampled with:
 
 from __future__ import annotations
 
-from tbexp.errors import TbexpError
 from typing import Any
+
+from tbexp.errors import TbexpError
 
 
 class RendererError(TbexpError, ValueError):
@@ -169,11 +170,22 @@ class Qwen3Renderer(Renderer):
     optional_stops = ("<|endoftext|>",)
 
     def _user(self, text: str) -> list[int]:
-        return [self.ids["<|im_start|>"]] + self.encode_text("user\n" + text) + [self.ids["<|im_end|>"]] + self.encode_text("\n")
+        return (
+            [self.ids["<|im_start|>"]]
+            + self.encode_text("user\n" + text)
+            + [self.ids["<|im_end|>"]]
+            + self.encode_text("\n")
+        )
 
     def _assistant_header(self) -> list[int]:
-        return ([self.ids["<|im_start|>"]] + self.encode_text("assistant\n") + [self.ids["<think>"]] + self.encode_text("\n\n")
-                + [self.ids["</think>"]] + self.encode_text("\n\n"))
+        return (
+            [self.ids["<|im_start|>"]]
+            + self.encode_text("assistant\n")
+            + [self.ids["<think>"]]
+            + self.encode_text("\n\n")
+            + [self.ids["</think>"]]
+            + self.encode_text("\n\n")
+        )
 
     def _after_turn(self) -> list[int]:
         return self.encode_text("\n")
@@ -214,20 +226,36 @@ class GptOssRenderer(Renderer):
     required = ("<|start|>", "<|message|>", "<|end|>", "<|channel|>", "<|return|>")
 
     def _user(self, text: str) -> list[int]:
-        return [self.ids["<|start|>"]] + self.encode_text("user") + [self.ids["<|message|>"]] + self.encode_text(text) + [self.ids["<|end|>"]]
+        return (
+            [self.ids["<|start|>"]]
+            + self.encode_text("user")
+            + [self.ids["<|message|>"]]
+            + self.encode_text(text)
+            + [self.ids["<|end|>"]]
+        )
 
     def _assistant_header(self) -> list[int]:
-        return ([self.ids["<|start|>"]] + self.encode_text("assistant") + [self.ids["<|channel|>"]] + self.encode_text("final")
-                + [self.ids["<|message|>"]])
+        return (
+            [self.ids["<|start|>"]]
+            + self.encode_text("assistant")
+            + [self.ids["<|channel|>"]]
+            + self.encode_text("final")
+            + [self.ids["<|message|>"]]
+        )
 
     def end_of_turn_tokens(self) -> list[int]:
         return [self.ids["<|return|>"]]
 
     def stop(self) -> list[int]:
-        return [self.ids["<|return|>"], self.ids["<|end|>"]]  # a final message ends with <|return|>; <|end|> closes any other
+        return [
+            self.ids["<|return|>"],
+            self.ids["<|end|>"],
+        ]  # a final message ends with <|return|>; <|end|> closes any other
 
 
-RENDERERS: dict[str, type[Renderer]] = {r.name: r for r in (PlainRenderer, Qwen3Renderer, Llama3Renderer, GptOssRenderer)}
+RENDERERS: dict[str, type[Renderer]] = {
+    r.name: r for r in (PlainRenderer, Qwen3Renderer, Llama3Renderer, GptOssRenderer)
+}
 
 
 def make_renderer(name: str, tokenizer: Any) -> Renderer:
@@ -241,4 +269,6 @@ def _check_alternation(messages: list[dict]) -> None:
     for i, message in enumerate(messages):
         expected = "user" if i % 2 == 0 else "assistant"
         if message.get("role") != expected:
-            raise RendererError(f"message {i} has role {message.get('role')!r}; conversations alternate user/assistant, starting with user")
+            raise RendererError(
+                f"message {i} has role {message.get('role')!r}; conversations alternate user/assistant, starting with user"
+            )

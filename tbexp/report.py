@@ -28,7 +28,15 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from tbexp.study import FAIL_REASON_ATTR, JOB_DIR_ATTR, OBJECTIVE_ATTR, POINTER_FILE, PRUNING_METRIC_ATTR, SWEEP_DIR_ATTR, load_study
+from tbexp.study import (
+    FAIL_REASON_ATTR,
+    JOB_DIR_ATTR,
+    OBJECTIVE_ATTR,
+    POINTER_FILE,
+    PRUNING_METRIC_ATTR,
+    SWEEP_DIR_ATTR,
+    load_study,
+)
 
 HELDOUT_REWARD = "heldout/reward"  # GRPO's held-out evaluations during training (tbexp/stages/grpo.py)
 
@@ -40,10 +48,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--study", help="the study's name, with --storage")
     parser.add_argument("--out", help="where to write report.md and the plots (default: <sweep dir>/report)")
     parser.add_argument("--top", type=int, default=5, help="held-out curves of this many best trials")
-    online = parser.add_argument_group("W&B Report (also made when WANDB_MODE=online; needs the network and WANDB_API_KEY or `wandb login`)")
-    online.add_argument("--wandb", action="store_true", help="also save the report as a W&B Report over the study's runs and print its URL")
-    online.add_argument("--wandb-project", help="the W&B project of the study's runs (implies --wandb; default: the jobs' logger.project)")
-    online.add_argument("--wandb-entity", help="its team or user (implies --wandb; default: the jobs' logger.entity, else $WANDB_ENTITY, else the account's default)")
+    online = parser.add_argument_group(
+        "W&B Report (also made when WANDB_MODE=online; needs the network and WANDB_API_KEY or `wandb login`)"
+    )
+    online.add_argument(
+        "--wandb",
+        action="store_true",
+        help="also save the report as a W&B Report over the study's runs and print its URL",
+    )
+    online.add_argument(
+        "--wandb-project",
+        help="the W&B project of the study's runs (implies --wandb; default: the jobs' logger.project)",
+    )
+    online.add_argument(
+        "--wandb-entity",
+        help="its team or user (implies --wandb; default: the jobs' logger.entity, else $WANDB_ENTITY, else the account's default)",
+    )
     args = parser.parse_args(argv)
     try:
         storage, study_name, sweep_dir = _locate(args)
@@ -76,10 +96,16 @@ def write_report(study: Any, out: Path, top: int = 5) -> Path:
     best = best_trials(study, trials, top)
     plots = {
         "Optimisation history": _optuna_plot(study, out / "history.png", "plot_optimization_history"),
-        "Parameter importances (PED-ANOVA)": _optuna_plot(study, out / "importances.png", "plot_param_importances", importance=True),
+        "Parameter importances (PED-ANOVA)": _optuna_plot(
+            study, out / "importances.png", "plot_param_importances", importance=True
+        ),
         "Parallel coordinates": _optuna_plot(study, out / "parallel_coordinates.png", "plot_parallel_coordinate"),
-        "Intermediate values reported to the pruner": _optuna_plot(study, out / "intermediate.png", "plot_intermediate_values"),
-        f"Held-out curves of the {len(best)} best trials": _curves(best, out / "curves.png", curve_metrics(study), study.user_attrs.get(OBJECTIVE_ATTR, "value")),
+        "Intermediate values reported to the pruner": _optuna_plot(
+            study, out / "intermediate.png", "plot_intermediate_values"
+        ),
+        f"Held-out curves of the {len(best)} best trials": _curves(
+            best, out / "curves.png", curve_metrics(study), study.user_attrs.get(OBJECTIVE_ATTR, "value")
+        ),
     }
     lines = [f"# Sweep report: study `{study.study_name}`", "", *summary_lines(study, trials, best)]
     for title, image in plots.items():
@@ -102,16 +128,36 @@ def summary_lines(study: Any, trials: list[Any], best: list[Any]) -> list[str]:
 
     objective = study.user_attrs.get(OBJECTIVE_ATTR, "value")
     counts = {s.name: sum(1 for t in trials if t.state == s) for s in TrialState if any(t.state == s for t in trials)}
-    lines = [f"Objective: `{objective}`, {'maximised' if study.direction.name == 'MAXIMIZE' else 'minimised'}. Trials: " + ", ".join(f"{n} {k}" for k, n in counts.items()) + ".", ""]
+    lines = [
+        f"Objective: `{objective}`, {'maximised' if study.direction.name == 'MAXIMIZE' else 'minimised'}. Trials: "
+        + ", ".join(f"{n} {k}" for k, n in counts.items())
+        + ".",
+        "",
+    ]
     if best:
         b = best[0]
-        lines += [f"**Best: trial {b.number}**, {objective} = {b.value:.4f} with " + ", ".join(f"`{k}={_fmt(v)}`" for k, v in b.params.items()) + f" (`{b.user_attrs.get(JOB_DIR_ATTR, '')}`).", ""]
+        lines += [
+            f"**Best: trial {b.number}**, {objective} = {b.value:.4f} with "
+            + ", ".join(f"`{k}={_fmt(v)}`" for k, v in b.params.items())
+            + f" (`{b.user_attrs.get(JOB_DIR_ATTR, '')}`).",
+            "",
+        ]
     return lines
 
 
 def curve_metrics(study: Any) -> list[str]:
     """What a held-out curve can show, most wanted first: the objective, the pruner's metric, GRPO's held-out reward."""
-    return list(dict.fromkeys(m for m in (study.user_attrs.get(OBJECTIVE_ATTR, "value"), study.user_attrs.get(PRUNING_METRIC_ATTR, ""), HELDOUT_REWARD) if m))
+    return list(
+        dict.fromkeys(
+            m
+            for m in (
+                study.user_attrs.get(OBJECTIVE_ATTR, "value"),
+                study.user_attrs.get(PRUNING_METRIC_ATTR, ""),
+                HELDOUT_REWARD,
+            )
+            if m
+        )
+    )
 
 
 def _locate(args: argparse.Namespace) -> tuple[str, str, Path | None]:
@@ -169,7 +215,9 @@ def _curves(best: list[Any], path: Path, metrics: list[str], objective: str) -> 
     for t in best:
         points = series[t.number]
         if points:
-            ax.plot([s for s, _ in points], [v for _, v in points], marker="o", label=f"trial {t.number} ({t.value:.3g})")
+            ax.plot(
+                [s for s, _ in points], [v for _, v in points], marker="o", label=f"trial {t.number} ({t.value:.3g})"
+            )
     ax.set_xlabel("step")
     ax.set_ylabel(metric)
     ax.set_title(f"{metric} of the best trials (legend: final {objective})")
@@ -210,17 +258,28 @@ def _series(path: Path, metric: str) -> list[tuple[float, float]]:
 def trial_table(trials: list[Any]) -> list[str]:
     """Markdown: one row per trial with its parameters, duration and job directory or why it failed."""
     names = list(dict.fromkeys(k for t in trials for k in t.params))
-    rows = ["| trial | state | value | " + " | ".join(f"`{n}`" for n in names) + " | seconds | job directory / why it failed |", "|---" * (len(names) + 5) + "|"]
+    rows = [
+        "| trial | state | value | "
+        + " | ".join(f"`{n}`" for n in names)
+        + " | seconds | job directory / why it failed |",
+        "|---" * (len(names) + 5) + "|",
+    ]
     for t in trials:
         seconds = f"{t.duration.total_seconds():.0f}" if t.duration else ""
-        value = f"{t.value:.4f}" if t.state.name == "COMPLETE" else ""  # a pruned trial's value is its last intermediate value
+        value = (
+            f"{t.value:.4f}" if t.state.name == "COMPLETE" else ""
+        )  # a pruned trial's value is its last intermediate value
         note = t.user_attrs.get(JOB_DIR_ATTR, "")
         if t.state.name == "PRUNED":
             note += f" — pruned at step {t.last_step}"
         if t.user_attrs.get(FAIL_REASON_ATTR):
             note += f" — {t.user_attrs[FAIL_REASON_ATTR]}"
         cells = [_fmt(t.params[n]) if n in t.params else "" for n in names]
-        rows.append(f"| {t.number} | {t.state.name} | {value} | " + " | ".join(cells) + f" | {seconds} | {note.replace('|', '/')[:300]} |")
+        rows.append(
+            f"| {t.number} | {t.state.name} | {value} | "
+            + " | ".join(cells)
+            + f" | {seconds} | {note.replace('|', '/')[:300]} |"
+        )
     return rows
 
 

@@ -22,13 +22,13 @@ What it simplifies:
 
 from __future__ import annotations
 
-from tbexp.errors import TbexpError
 import io
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
+from tbexp.errors import TbexpError
 from tbexp.report import best_trials, curve_metrics, metric_series, summary_lines, trial_table
 from tbexp.study import JOB_DIR_ATTR, OBJECTIVE_ATTR
 from tbexp.tracking import run_name
@@ -42,7 +42,10 @@ def publish(study: Any, top: int = 5, project: str | None = None, entity: str | 
     """Save the study's report on W&B; returns its URL."""
     logger = _job_logger(study)
     if logger.get("name") not in (None, "wandb"):
-        print(f"tbexp.report: note: the study's jobs ran with logger={logger['name']}, so W&B may hold none of their runs", file=sys.stderr)
+        print(
+            f"tbexp.report: note: the study's jobs ran with logger={logger['name']}, so W&B may hold none of their runs",
+            file=sys.stderr,
+        )
     api = _api()
     from tbexp.config import LoggerConfig
 
@@ -60,28 +63,56 @@ def build_report(study: Any, top: int, project: str, entity: str, group: str) ->
     trials = study.get_trials(deepcopy=False)
     best = best_trials(study, trials, top)
     objective = study.user_attrs.get(OBJECTIVE_ATTR, "value")
-    order = [wr.OrderBy(wr.SummaryMetric(objective), ascending=study.direction.name != "MAXIMIZE")]  # best first in the runs table
+    order = [
+        wr.OrderBy(wr.SummaryMetric(objective), ascending=study.direction.name != "MAXIMIZE")
+    ]  # best first in the runs table
     in_study = expr.Metric("Group") == group
-    runs = wr.Runset(entity=entity, project=project, name=f"study {study.study_name}", filters=expr.And(in_study), order=order)
+    runs = wr.Runset(
+        entity=entity, project=project, name=f"study {study.study_name}", filters=expr.And(in_study), order=order
+    )
     params = list(dict.fromkeys(k for t in trials for k in t.params))
     metrics = _curve_metrics(study, best)
     blocks = [
         wr.MarkdownBlock(text="\n".join(summary_lines(study, trials, best))),
         wr.H2(text="The study's runs"),
-        wr.PanelGrid(runsets=[runs], panels=[
-            wr.ScatterPlot(title="Optimisation history", x=wr.Metric("CreatedTimestamp"), y=wr.SummaryMetric(objective)),
-            wr.ParameterImportancePlot(with_respect_to=objective),
-            wr.ParallelCoordinatesPlot(title="Parallel coordinates", columns=[wr.ParallelCoordinatesPlotColumn(metric=wr.Config(p)) for p in params] + [wr.ParallelCoordinatesPlotColumn(metric=wr.SummaryMetric(objective))]),
-            *_line_plots(wr, metrics),
-        ]),
+        wr.PanelGrid(
+            runsets=[runs],
+            panels=[
+                wr.ScatterPlot(
+                    title="Optimisation history", x=wr.Metric("CreatedTimestamp"), y=wr.SummaryMetric(objective)
+                ),
+                wr.ParameterImportancePlot(with_respect_to=objective),
+                wr.ParallelCoordinatesPlot(
+                    title="Parallel coordinates",
+                    columns=[wr.ParallelCoordinatesPlotColumn(metric=wr.Config(p)) for p in params]
+                    + [wr.ParallelCoordinatesPlotColumn(metric=wr.SummaryMetric(objective))],
+                ),
+                *_line_plots(wr, metrics),
+            ],
+        ),
     ]
     names = [run_name(t.user_attrs[JOB_DIR_ATTR]) for t in best if t.user_attrs.get(JOB_DIR_ATTR)]
     if names:
-        best_runs = wr.Runset(entity=entity, project=project, name=f"best {len(names)} trials", filters=expr.And(in_study, expr.Metric("Name").isin(names)), order=order)
-        blocks += [wr.H2(text=f"Held-out curves of the {len(names)} best trials"), wr.PanelGrid(runsets=[best_runs], panels=_line_plots(wr, metrics))]
+        best_runs = wr.Runset(
+            entity=entity,
+            project=project,
+            name=f"best {len(names)} trials",
+            filters=expr.And(in_study, expr.Metric("Name").isin(names)),
+            order=order,
+        )
+        blocks += [
+            wr.H2(text=f"Held-out curves of the {len(names)} best trials"),
+            wr.PanelGrid(runsets=[best_runs], panels=_line_plots(wr, metrics)),
+        ]
     blocks += [wr.H2(text="Trials"), wr.MarkdownBlock(text="\n".join(trial_table(trials)))]
     direction = "maximised" if study.direction.name == "MAXIMIZE" else "minimised"
-    return wr.Report(project=project, entity=entity, title=f"Sweep report: {study.study_name}"[:128], description=f"Optuna study {study.study_name}: {objective}, {direction}; made by python -m tbexp.report", blocks=blocks)
+    return wr.Report(
+        project=project,
+        entity=entity,
+        title=f"Sweep report: {study.study_name}"[:128],
+        description=f"Optuna study {study.study_name}: {objective}, {direction}; made by python -m tbexp.report",
+        blocks=blocks,
+    )
 
 
 def _curve_metrics(study: Any, best: list[Any]) -> list[str]:
@@ -100,7 +131,11 @@ def _job_logger(study: Any) -> dict[str, Any]:
     """The logger settings of the study's first job that kept its composed config: where its runs went."""
     from omegaconf import OmegaConf
 
-    configs = (Path(t.user_attrs[JOB_DIR_ATTR]) / ".hydra" / "config.yaml" for t in study.get_trials(deepcopy=False) if t.user_attrs.get(JOB_DIR_ATTR))
+    configs = (
+        Path(t.user_attrs[JOB_DIR_ATTR]) / ".hydra" / "config.yaml"
+        for t in study.get_trials(deepcopy=False)
+        if t.user_attrs.get(JOB_DIR_ATTR)
+    )
     path = next((p for p in configs if p.is_file()), None)
     logger = OmegaConf.select(OmegaConf.load(path), "logger") if path else None
     try:
@@ -129,7 +164,9 @@ def _api() -> Any:
     except wandb.errors.UsageError:
         raise WandbUnavailable("no W&B API key: set WANDB_API_KEY (or run `wandb login`)") from None
     except wandb.errors.Error as err:
-        raise WandbUnavailable(f"could not log in to W&B ({_first_line(err)}): check the network, WANDB_BASE_URL and WANDB_API_KEY") from None
+        raise WandbUnavailable(
+            f"could not log in to W&B ({_first_line(err)}): check the network, WANDB_BASE_URL and WANDB_API_KEY"
+        ) from None
     finally:
         sys.stdin = stdin
 
@@ -139,7 +176,9 @@ def _ask(call: Any) -> Any:
     try:
         return call()
     except Exception as err:  # noqa: BLE001 - the server's answer, of whatever type, is the message; report.md stands
-        raise WandbUnavailable(f"W&B refused the report ({type(err).__name__}: {_first_line(err)}): check --wandb-project, --wandb-entity and WANDB_API_KEY") from None
+        raise WandbUnavailable(
+            f"W&B refused the report ({type(err).__name__}: {_first_line(err)}): check --wandb-project, --wandb-entity and WANDB_API_KEY"
+        ) from None
 
 
 def _first_line(err: BaseException) -> str:

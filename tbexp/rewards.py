@@ -41,7 +41,13 @@ def per_test(reports: Sequence[TestReport], turns: Sequence[int], task_reward: s
     return [r.fraction(task_reward) for r in reports]
 
 
-def per_test_efficiency(reports: Sequence[TestReport], turns: Sequence[int], tests_weight: float = 0.8, efficiency_weight: float = 0.2, task_reward: str = "reward") -> list[float]:
+def per_test_efficiency(
+    reports: Sequence[TestReport],
+    turns: Sequence[int],
+    tests_weight: float = 0.8,
+    efficiency_weight: float = 0.2,
+    task_reward: str = "reward",
+) -> list[float]:
     """Per-test fraction plus a bonus for the faster successes of the group.
 
     Among the strict successes, the bonus falls linearly from 1 (fewest turns)

@@ -40,7 +40,9 @@ class Episode:
     damage: str = ""  # what the agent's commands broke (the episode is still scored); "" when nothing
     time_s: dict[str, float] = field(default_factory=dict)  # start, agent, verify, stop
     messages: list[dict[str, str]] = field(default_factory=list)
-    sampled: SampledTokens | None = None  # policy=model: the tokens as sampled, with their logprobs (training reads them)
+    sampled: SampledTokens | None = (
+        None  # policy=model: the tokens as sampled, with their logprobs (training reads them)
+    )
     step_reports: dict[str, TestReport] = field(default_factory=dict)  # a multi-step task's tests, step by step
 
     @property
@@ -52,7 +54,9 @@ class Episode:
         return sum(t.n_valid for t in self.turns)
 
 
-def run_episode(task: Task, run: int, agent: Agent, policy_factory: PolicyFactory, sandbox_settings: Any, max_turns: int) -> Episode:
+def run_episode(
+    task: Task, run: int, agent: Agent, policy_factory: PolicyFactory, sandbox_settings: Any, max_turns: int
+) -> Episode:
     episode = Episode(task, run)
     clock = time.perf_counter()
     sandbox = make_sandbox(sandbox_settings, task)
@@ -201,7 +205,13 @@ def _lap(episode: Episode, phase: str, since: float) -> float:
     return now
 
 
-def run_episodes(jobs: Iterable[tuple[Task, int]], concurrency: int, run_one: Callable[[Task, int], Episode], on_done: Callable[[Episode], None] | None = None, desc: str = "episodes") -> list[Episode]:
+def run_episodes(
+    jobs: Iterable[tuple[Task, int]],
+    concurrency: int,
+    run_one: Callable[[Task, int], Episode],
+    on_done: Callable[[Episode], None] | None = None,
+    desc: str = "episodes",
+) -> list[Episode]:
     """Run `run_one(task, run)` for every job, `concurrency` at a time, with a progress bar."""
     import sys
 
@@ -210,7 +220,10 @@ def run_episodes(jobs: Iterable[tuple[Task, int]], concurrency: int, run_one: Ca
     jobs = list(jobs)
     episodes: list[Episode] = []
     refresh_s = 0.2 if sys.stderr.isatty() else 15.0  # a log file gets a line every 15 s, not every episode
-    with ThreadPoolExecutor(max_workers=concurrency) as pool, tqdm(total=len(jobs), desc=desc, unit="ep", dynamic_ncols=True, mininterval=refresh_s) as bar:
+    with (
+        ThreadPoolExecutor(max_workers=concurrency) as pool,
+        tqdm(total=len(jobs), desc=desc, unit="ep", dynamic_ncols=True, mininterval=refresh_s) as bar,
+    ):
         futures = [pool.submit(run_one, task, run) for task, run in jobs]
         for future in as_completed(futures):
             episode = future.result()
@@ -221,5 +234,7 @@ def run_episodes(jobs: Iterable[tuple[Task, int]], concurrency: int, run_one: Ca
             if episode.invalid:
                 bar.write(f"invalid episode {episode.task.name} run {episode.run}: {episode.invalid.splitlines()[0]}")
             elif episode.damage:
-                bar.write(f"damaged episode {episode.task.name} run {episode.run} (scored): {episode.damage.splitlines()[0]}")
+                bar.write(
+                    f"damaged episode {episode.task.name} run {episode.run} (scored): {episode.damage.splitlines()[0]}"
+                )
     return episodes

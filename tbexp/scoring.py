@@ -49,7 +49,13 @@ def summarize(episodes: list[Episode], rewards: dict[int, float], prefix: str = 
     for ep in valid:
         runs[ep.run].append(1.0 if ep.report.strict else 0.0)
     run_means = [statistics.fmean(v) for v in runs.values()]
-    stderr = statistics.stdev(run_means) / math.sqrt(len(run_means)) if len(run_means) > 1 else 0.0 if run_means else math.nan
+    stderr = (
+        statistics.stdev(run_means) / math.sqrt(len(run_means))
+        if len(run_means) > 1
+        else 0.0
+        if run_means
+        else math.nan
+    )
     rate = sum(ep.n_valid_commands for ep in valid) / attempted if attempted else 0.0 if valid else math.nan
     return {
         f"{prefix}/reward": _mean([rewards[id(ep)] for ep in valid]),

@@ -80,8 +80,13 @@ def open_storage(storage: str, create_tables: bool = True) -> Any:
     if storage.startswith("sqlite"):
         engine_kwargs = {"connect_args": {"timeout": SQLITE_TIMEOUT_S}}
     if storage.startswith("postgresql://"):  # the driver tbexp installs (psycopg 3), whatever SQLAlchemy's default
-        storage = "postgresql+psycopg://" + storage[len("postgresql://"):]
-    return optuna.storages.RDBStorage(storage, engine_kwargs=engine_kwargs, skip_table_creation=not create_tables, skip_compatibility_check=not create_tables)
+        storage = "postgresql+psycopg://" + storage[len("postgresql://") :]
+    return optuna.storages.RDBStorage(
+        storage,
+        engine_kwargs=engine_kwargs,
+        skip_table_creation=not create_tables,
+        skip_compatibility_check=not create_tables,
+    )
 
 
 def make_pruner(settings: dict[str, Any]) -> Any:
@@ -92,12 +97,22 @@ def make_pruner(settings: dict[str, Any]) -> Any:
     if name == "none":
         return optuna.pruners.NopPruner()
     if name == "median":
-        return optuna.pruners.MedianPruner(n_startup_trials=settings["n_startup_trials"], n_warmup_steps=settings["n_warmup_steps"], interval_steps=settings["interval_steps"])
+        return optuna.pruners.MedianPruner(
+            n_startup_trials=settings["n_startup_trials"],
+            n_warmup_steps=settings["n_warmup_steps"],
+            interval_steps=settings["interval_steps"],
+        )
     if name == "successive_halving":
-        return optuna.pruners.SuccessiveHalvingPruner(min_resource=settings["min_resource"], reduction_factor=settings["reduction_factor"])
+        return optuna.pruners.SuccessiveHalvingPruner(
+            min_resource=settings["min_resource"], reduction_factor=settings["reduction_factor"]
+        )
     if name == "hyperband":
         max_resource = settings["max_resource"] or "auto"
-        return optuna.pruners.HyperbandPruner(min_resource=settings["min_resource"], max_resource=max_resource, reduction_factor=settings["reduction_factor"])
+        return optuna.pruners.HyperbandPruner(
+            min_resource=settings["min_resource"],
+            max_resource=max_resource,
+            reduction_factor=settings["reduction_factor"],
+        )
     raise ValueError(f"pruner.name={name!r}: choose none, median, successive_halving or hyperband")
 
 
@@ -109,6 +124,8 @@ def load_study(storage: str, study_name: str, create_tables: bool = True) -> Any
     """An existing study with the pruner its sweeper chose."""
     import optuna
 
-    study = optuna.load_study(study_name=study_name, storage=open_storage(storage, create_tables), sampler=optuna.samplers.RandomSampler())
+    study = optuna.load_study(
+        study_name=study_name, storage=open_storage(storage, create_tables), sampler=optuna.samplers.RandomSampler()
+    )
     study.pruner = study_pruner(study)
     return study

@@ -36,7 +36,10 @@ from typing import Any
 LOGGERS = ("none", "wandb", "trackio")
 REDACTED = "<redacted>"
 # Key words that mark a secret. Whole words only: `max_tokens` and `max_length_tokens` are counts, not tokens.
-_SECRET_KEY = re.compile(r"(?:^|[_\-.])(?:api[_-]?key|token|access[_-]?key|secrets?|passwords?|passwd|credentials?)(?:$|[_\-.])", re.IGNORECASE)
+_SECRET_KEY = re.compile(
+    r"(?:^|[_\-.])(?:api[_-]?key|token|access[_-]?key|secrets?|passwords?|passwd|credentials?)(?:$|[_\-.])",
+    re.IGNORECASE,
+)
 _URL_USERINFO = re.compile(r"(\b[a-z][a-z0-9+.\-]*://)[^/@\s]+@", re.IGNORECASE)  # scheme://user:password@host
 _URL_SECRET_PARAM = re.compile(r"([?&][^=&#\s]*(?:api[_-]?key|token|secret|password)[^=&#\s]*=)[^&#\s]*", re.IGNORECASE)
 
@@ -130,7 +133,9 @@ def redact(value: Any) -> Any:
     {'backend': {'api_key': '<redacted>', 'base_url': 'https://<redacted>@host/x?token=<redacted>'}, 'max_tokens': 96}
     """
     if isinstance(value, dict):
-        return {k: REDACTED if _SECRET_KEY.search(str(k)) and v not in (None, "") else redact(v) for k, v in value.items()}
+        return {
+            k: REDACTED if _SECRET_KEY.search(str(k)) and v not in (None, "") else redact(v) for k, v in value.items()
+        }
     if isinstance(value, list):
         return [redact(v) for v in value]
     if isinstance(value, str):
@@ -171,10 +176,14 @@ def run_name(run_dir: str | Path) -> str:
     return f"{run_dir.parent.name}/{run_dir.name}"
 
 
-def _open(settings: Any, run_dir: Path, group: str | None = None, job_type: str | None = None, config: dict | None = None) -> _Run:
+def _open(
+    settings: Any, run_dir: Path, group: str | None = None, job_type: str | None = None, config: dict | None = None
+) -> _Run:
     run_dir = Path(run_dir).resolve()
     name = run_name(run_dir)
-    run_id = hashlib.sha1(str(run_dir).encode()).hexdigest()[:16]  # same directory, same run: a requeued job continues it
+    run_id = hashlib.sha1(str(run_dir).encode()).hexdigest()[
+        :16
+    ]  # same directory, same run: a requeued job continues it
     backend = _Wandb if settings.name == "wandb" else _Trackio
     return backend(settings, run_dir, name, run_id, group, job_type, config or {})
 
@@ -196,8 +205,16 @@ class _Wandb(_Run):
         argv, sys.argv = sys.argv, [sys.argv[0], *map(redact_argument, sys.argv[1:])]
         try:
             self.run = wandb.init(
-                project=settings.project, entity=settings.get("entity") or None, name=name, id=run_id, resume="allow",
-                group=group, job_type=job_type, config=config, dir=settings.get("dir") or str(run_dir), mode=mode,
+                project=settings.project,
+                entity=settings.get("entity") or None,
+                name=name,
+                id=run_id,
+                resume="allow",
+                group=group,
+                job_type=job_type,
+                config=config,
+                dir=settings.get("dir") or str(run_dir),
+                mode=mode,
             )
         finally:
             sys.argv = argv
@@ -226,7 +243,14 @@ class _Trackio(_Run):
 
         self._trackio = trackio
         # Trackio has no job type; it goes into the config, where its dashboard can filter on it.
-        self.run = trackio.init(project=settings.project, name=name, group=group, config={**config, "job_type": job_type}, resume="allow", embed=False)
+        self.run = trackio.init(
+            project=settings.project,
+            name=name,
+            group=group,
+            config={**config, "job_type": job_type},
+            resume="allow",
+            embed=False,
+        )
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         self.run.log(metrics, step=step)

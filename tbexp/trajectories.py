@@ -22,11 +22,12 @@ the line number, before any training starts.
 
 from __future__ import annotations
 
-from tbexp.errors import TbexpError
 import json
 import os
 from pathlib import Path
 from typing import Any
+
+from tbexp.errors import TbexpError
 
 
 class DataError(TbexpError, ValueError):
@@ -77,7 +78,10 @@ def _messages(row: dict[str, Any]) -> list[dict[str, str]]:
         messages = _from_atif(row["steps"])
     else:
         raise DataError("missing field 'messages' (or 'prompt'/'completion', or ATIF 'steps')")
-    if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role") in ("user", "assistant", "system") for m in messages):
+    if not isinstance(messages, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role") in ("user", "assistant", "system")
+        for m in messages
+    ):
         raise DataError("'messages' must be a list of {role: user|assistant|system, content: str}")
     if messages and messages[0]["role"] == "system":
         messages = _fold_system(messages)

@@ -38,7 +38,12 @@ def report(cfg: Any, metric: str, value: float, step: int, higher_is_better: boo
     if settings is None or settings.number < 0 or metric != settings.pruning_metric:
         return
     if math.isnan(value):  # an eval with no valid episode says nothing about the trial; the pruner is not told
-        log.warning("trial %s: %s is NaN at step %d (no valid episode); not reported to the pruner", settings.number, metric, step)
+        log.warning(
+            "trial %s: %s is NaN at step %d (no valid episode); not reported to the pruner",
+            settings.number,
+            metric,
+            step,
+        )
         return
     import optuna
     from optuna.exceptions import UpdateFinishedTrialError
@@ -51,7 +56,9 @@ def report(cfg: Any, metric: str, value: float, step: int, higher_is_better: boo
         should_prune = trial.should_prune()
     except UpdateFinishedTrialError:
         # A restarted sweeper failed this trial as orphaned (and queued a retry): this run is no longer wanted.
-        raise TrialPruned(f"trial {settings.number} of study {settings.study!r} was already finished; stopping this orphaned job") from None
+        raise TrialPruned(
+            f"trial {settings.number} of study {settings.study!r} was already finished; stopping this orphaned job"
+        ) from None
     if should_prune:
         from tbexp.study import PRUNED_AT_ATTR
 

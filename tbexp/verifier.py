@@ -20,7 +20,6 @@ symlink, a file where the directory belongs) is read by the tests.
 
 from __future__ import annotations
 
-from tbexp.errors import TbexpError
 import json
 import math
 import shlex
@@ -30,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tbexp.errors import TbexpError
 from tbexp.sandboxes import provision
 from tbexp.sandboxes.base import Sandbox
 from tbexp.tasks.harbor_task import Task
@@ -118,7 +118,9 @@ def verify(sandbox: Sandbox, task: Task, shared_tests: Sequence[Path] = ()) -> T
         _raise_if_no_python(sandbox, task.name)  # the environment's fault, said as such
         if runs_pytest(task):
             rewards = ", ".join(f"{k}={v:g}" for k, v in report.rewards.items()) or "none"
-            raise VerifierError(f"{task.name}: the tests are pytest files but test.sh reported no test that passed or failed (no CTRF or JUnit results; rewards written: {rewards}); last output:\n{report.log_tail[-500:]}")
+            raise VerifierError(
+                f"{task.name}: the tests are pytest files but test.sh reported no test that passed or failed (no CTRF or JUnit results; rewards written: {rewards}); last output:\n{report.log_tail[-500:]}"
+            )
     return report
 
 

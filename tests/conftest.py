@@ -65,16 +65,26 @@ def rootfs() -> Path:
 @pytest.fixture
 def sandbox_settings(rootfs):
     """The bwrap sandbox node with short time limits for tests."""
-    cfg = compose_config("sandbox.command_timeout_s=5", "sandbox.disk_mb=64", "sandbox.memory_mb=256", "sandbox.pids_limit=64")
+    cfg = compose_config(
+        "sandbox.command_timeout_s=5", "sandbox.disk_mb=64", "sandbox.memory_mb=256", "sandbox.pids_limit=64"
+    )
     return cfg.sandbox
 
 
-def make_task(root: Path, name: str = "demo", files: dict[str, str] | None = None, tests: str | None = None, solution: str | None = "echo done > /app/out.txt\n") -> Path:
+def make_task(
+    root: Path,
+    name: str = "demo",
+    files: dict[str, str] | None = None,
+    tests: str | None = None,
+    solution: str | None = "echo done > /app/out.txt\n",
+) -> Path:
     """A small Harbor task directory: by default, write `done` to /app/out.txt."""
     task = root / name
     (task / "environment" / "app").mkdir(parents=True)
     (task / "tests").mkdir()
-    (task / "task.toml").write_text(f'schema_version = "1.0"\n[task]\nname = "test/{name}"\n[metadata]\nfamily = "demo"\n[verifier]\ntimeout_sec = 30.0\n[agent]\ntimeout_sec = 60.0\n[environment]\nworkdir = "/app"\n')
+    (task / "task.toml").write_text(
+        f'schema_version = "1.0"\n[task]\nname = "test/{name}"\n[metadata]\nfamily = "demo"\n[verifier]\ntimeout_sec = 30.0\n[agent]\ntimeout_sec = 60.0\n[environment]\nworkdir = "/app"\n'
+    )
     (task / "instruction.md").write_text("Write the word done into /app/out.txt.\n")
     (task / "environment" / "Dockerfile").write_text("FROM tbexp-base:bookworm\nWORKDIR /app\nCOPY app/ /app/\n")
     for rel, content in (files or {"input.txt": "hello\n"}).items():

@@ -34,7 +34,9 @@ def _free_port() -> int:
 @pytest.fixture(scope="session")
 def postgres_url():
     """The storage URL of a running server with an empty database `tbexp`."""
-    data = Path(tempfile.mkdtemp(prefix="tbexp-postgres-", dir="/tmp"))  # not under tmp_path: the server's user must enter it
+    data = Path(
+        tempfile.mkdtemp(prefix="tbexp-postgres-", dir="/tmp")
+    )  # not under tmp_path: the server's user must enter it
     done, reason = run_script("start_postgres.sh", str(data), str(_free_port()), timeout_s=SETUP_TIMEOUT_S)
     if reason:
         shutil.rmtree(data, ignore_errors=True)

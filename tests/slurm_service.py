@@ -53,7 +53,9 @@ def release_requeued(job_id: str, timeout_s: float = 60) -> None:
     """Start a requeued job now: SLURM holds one back for two minutes (BeginTime), which tests need not wait out."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        state = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=30).stdout.strip()
+        state = subprocess.run(
+            ["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=30
+        ).stdout.strip()
         if state == "PENDING":
             subprocess.run(["scontrol", "update", f"jobid={job_id}", "StartTime=now"], capture_output=True, timeout=30)
             return

@@ -23,7 +23,9 @@ def test_group_advantages_by_hand():
     assert group_advantages([1.0, 0.0, 0.0]) == pytest.approx([0.6666667, -0.3333333, -0.3333333], abs=1e-7)
     # population std sqrt(((2/3)^2 + 2 (1/3)^2) / 3) = sqrt(2/9) = 0.4714045, plus 1e-6 = 0.4714055:
     # 0.6666667 / 0.4714055 = 1.4142106 and -0.3333333 / 0.4714055 = -0.7071053
-    assert group_advantages([1.0, 0.0, 0.0], scale_by_std=True) == pytest.approx([1.4142106, -0.7071053, -0.7071053], abs=2e-7)
+    assert group_advantages([1.0, 0.0, 0.0], scale_by_std=True) == pytest.approx(
+        [1.4142106, -0.7071053, -0.7071053], abs=2e-7
+    )
     # below the mean (0.5) only: -0.5 x 0.25
     assert group_advantages([1.0, 0.0], negative_weight=0.25) == pytest.approx([0.5, -0.125])
     assert group_advantages([0.7, 0.7, 0.7]) is None and group_advantages([1.0]) is None
@@ -34,7 +36,9 @@ def test_advantages_sit_on_the_sampled_tokens_divided_by_the_steps_sampled_token
     turns = [SampledTurn(2, [3, 4], [-0.1, -0.2]), SampledTurn(5, [6], [-0.3])]
     tokens = [1, 2, 3, 4, 5, 6]
     win, lose = _episode("t", turns, tokens), _episode("t", turns, tokens)
-    datums, counts = grpo_datums([win, lose], {id(win): 1.0, id(lose): 0.0}, scale_by_std=False, reference=None, kl_coef=0.0)
+    datums, counts = grpo_datums(
+        [win, lose], {id(win): 1.0, id(lose): 0.0}, scale_by_std=False, reference=None, kl_coef=0.0
+    )
     assert counts == {"groups": 1.0, "groups_skipped": 0.0, "datums": 2.0, "sampled_tokens": 6.0}
     d = datums[0].loss_fn_inputs
     assert datums[0].model_input.to_ints() == [1, 2, 3, 4, 5] and d["target_tokens"].tolist() == [2, 3, 4, 5, 6]

@@ -43,7 +43,15 @@ def test_garbage_is_a_parse_error_and_an_invalid_command(agent):
 
 def test_validity_excludes_126_and_127_only():
     agent = make_agent(compose_config("agent=terminus_json").agent)
-    reply = json.dumps({"analysis": "", "plan": "", "commands": [{"keystrokes": c + "\n", "duration": 0.1} for c in ("false", "nosuchcmd", "./noexec", "sleep 99")]})
+    reply = json.dumps(
+        {
+            "analysis": "",
+            "plan": "",
+            "commands": [
+                {"keystrokes": c + "\n", "duration": 0.1} for c in ("false", "nosuchcmd", "./noexec", "sleep 99")
+            ],
+        }
+    )
     turn = Turn(reply, agent.parse(reply, []))
     turn.results = [ExecResult("", 1), ExecResult("", 127), ExecResult("", 126), ExecResult("", 124, timed_out=True)]
     assert (turn.n_commands, turn.n_valid) == (4, 2)

@@ -212,8 +212,22 @@ def _sandbox_run(task_dir: Path, work: Path, commands: list[str]) -> tuple[str, 
     bwrap = ["bwrap", "--ro-bind", str(ROOTFS), "/"]
     for name in mounts:
         bwrap += ["--bind", str(work / name), f"/{name}"]
-    bwrap += ["--proc", "/proc", "--dev", "/dev", "--unshare-all", "--die-with-parent", "--chdir", "/app",
-              "--setenv", "HOME", "/tmp", "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin"]
+    bwrap += [
+        "--proc",
+        "/proc",
+        "--dev",
+        "/dev",
+        "--unshare-all",
+        "--die-with-parent",
+        "--chdir",
+        "/app",
+        "--setenv",
+        "HOME",
+        "/tmp",
+        "--setenv",
+        "PATH",
+        "/usr/local/bin:/usr/bin:/bin",
+    ]
     for command in commands:
         subprocess.run([*bwrap, "bash", "-c", command], capture_output=True, timeout=60)
     shutil.copytree(task_dir / "tests", work / "tests", dirs_exist_ok=True)
@@ -246,6 +260,10 @@ def test_rl_share_keeps_part_of_each_family_away_from_sft():
     settings = compose_config("tasks.rl_share=0.25").tasks
     sft, rl = load_task_set(settings, "train", "sft"), load_task_set(settings, "train", "rl")
     assert not {t.name for t in sft} & {t.name for t in rl}
-    assert len(rl) == round(0.25 * settings.train_per_family) * len({t.family for t in rl})  # the same share of every family
-    assert load_task_set(settings, "heldout", "rl") == load_task_set(settings, "heldout")  # only the train split is divided
+    assert len(rl) == round(0.25 * settings.train_per_family) * len(
+        {t.family for t in rl}
+    )  # the same share of every family
+    assert load_task_set(settings, "heldout", "rl") == load_task_set(
+        settings, "heldout"
+    )  # only the train split is divided
     assert len(load_task_set(compose_config("tasks.rl_share=0").tasks, "train", "rl")) == len(sft) + len(rl)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import socket
 import time
-from pathlib import Path
 
 import pytest
 
@@ -64,7 +63,9 @@ def test_upload_does_not_follow_a_symlink_the_sandbox_planted(sandbox, tmp_path)
     # The host does the copy: a planted link must be replaced, or the write lands on the host file it names.
     host_file, host_dir = tmp_path / "host.txt", tmp_path / "host-dir"
     host_dir.mkdir()
-    sandbox.exec(f"mkdir -p /tests && ln -s {host_file} /tests/test.sh && ln -s {host_dir} /tests/sub && ln -s {host_file} /tmp/one")
+    sandbox.exec(
+        f"mkdir -p /tests && ln -s {host_file} /tests/test.sh && ln -s {host_dir} /tests/sub && ln -s {host_file} /tmp/one"
+    )
     (tmp_path / "tests" / "sub").mkdir(parents=True)
     (tmp_path / "tests" / "test.sh").write_text("echo real\n")
     (tmp_path / "tests" / "sub" / "x.py").write_text("x = 1\n")
@@ -72,7 +73,10 @@ def test_upload_does_not_follow_a_symlink_the_sandbox_planted(sandbox, tmp_path)
     sandbox.upload(tmp_path / "tests", "/tests")
     sandbox.upload(tmp_path / "single.txt", "/tmp/one")
     assert not host_file.exists() and not any(host_dir.iterdir())
-    assert sandbox.exec("cat /tests/test.sh /tests/sub/x.py /tmp/one; test -L /tests/sub || echo no-link").output == "echo real\nx = 1\none\nno-link\n"
+    assert (
+        sandbox.exec("cat /tests/test.sh /tests/sub/x.py /tmp/one; test -L /tests/sub || echo no-link").output
+        == "echo real\nx = 1\none\nno-link\n"
+    )
 
 
 def test_root_is_read_only_and_host_files_are_invisible(sandbox):
@@ -118,7 +122,9 @@ def test_process_limit_holds(sandbox, sandbox_settings):
 
 
 def test_memory_limit_holds(sandbox):
-    result = sandbox.exec("python3 -c 'x = bytearray(1024 * 2**20); x[::4096] = b\"1\" * len(x[::4096]); print(\"allocated\")'")
+    result = sandbox.exec(
+        'python3 -c \'x = bytearray(1024 * 2**20); x[::4096] = b"1" * len(x[::4096]); print("allocated")\''
+    )
     assert "allocated" not in result.output and result.exit_code != 0
 
 
@@ -134,7 +140,9 @@ def test_no_network_not_even_the_hosts_loopback(sandbox):
     server.listen()
     server.settimeout(3)
     port = server.getsockname()[1]
-    result = sandbox.exec(f"python3 -c \"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=2)\" 2>&1")
+    result = sandbox.exec(
+        f"python3 -c \"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=2)\" 2>&1"
+    )
     assert "Connection refused" in result.output or "unreachable" in result.output
     with pytest.raises(TimeoutError):
         server.accept()  # nothing ever arrived
@@ -151,7 +159,9 @@ def test_background_processes_do_not_outlive_their_exec(sandbox):
     import subprocess
 
     assert sandbox.exec("sleep 3017 & echo started").output == "started\n"
-    assert sandbox.exec("cat /proc/[0-9]*/cmdline | tr '\\0' ' ' | grep -c 'sleep [3]017' || true").output.strip() == "0"
+    assert (
+        sandbox.exec("cat /proc/[0-9]*/cmdline | tr '\\0' ' ' | grep -c 'sleep [3]017' || true").output.strip() == "0"
+    )
     assert subprocess.run(["pgrep", "-f", "sleep 3017"], capture_output=True).returncode == 1  # not on the host either
 
 

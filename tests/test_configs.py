@@ -12,7 +12,9 @@ from tbexp.config import ConfigError, check
 from tests.conftest import CONF, REPO, compose_config
 
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
-GROUP_OPTIONS = sorted((p.parent.name, p.stem) for p in CONF.glob("*/*.yaml") if p.parent.name not in ("experiment", "sweep"))  # both are added with +; sweeps: tests/test_sweep_configs.py
+GROUP_OPTIONS = sorted(
+    (p.parent.name, p.stem) for p in CONF.glob("*/*.yaml") if p.parent.name not in ("experiment", "sweep")
+)  # both are added with +; sweeps: tests/test_sweep_configs.py
 
 
 def test_there_are_experiments():
@@ -38,12 +40,20 @@ def test_every_group_option_composes(group, option):
 def test_experiment_file_starts_with_its_command_and_is_global(name):
     lines = (CONF / "experiment" / f"{name}.yaml").read_text().splitlines()
     assert lines[0] == "# @package _global_"  # Hydra reads the package header only from the file's leading lines
-    assert lines[1] == f"# python -m tbexp +experiment={name}" or lines[1].startswith(f"# python -m tbexp +experiment={name} ")
+    assert lines[1] == f"# python -m tbexp +experiment={name}" or lines[1].startswith(
+        f"# python -m tbexp +experiment={name} "
+    )
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_cfg_job_prints_each_experiment(name):
-    out = subprocess.run([sys.executable, "-m", "tbexp", "--cfg", "job", f"+experiment={name}"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "tbexp", "--cfg", "job", f"+experiment={name}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert "stage:" in out.stdout and "sandbox:" in out.stdout
 
@@ -55,13 +65,17 @@ def test_misspelt_key_names_the_key():
 
 
 def test_misspelt_key_on_command_line_names_the_key():
-    out = subprocess.run([sys.executable, "-m", "tbexp", "model.lora_rnak=8"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "tbexp", "model.lora_rnak=8"], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode != 0
     assert "lora_rnak" in out.stderr and "ModelConfig" in out.stderr
 
 
 def test_unknown_choice_lists_the_options():
-    out = subprocess.run([sys.executable, "-m", "tbexp", "reward=nonsense"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "tbexp", "reward=nonsense"], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode != 0
     assert "reward/nonsense" in out.stderr
     for option in ("binary", "per_test", "per_test_efficiency"):
@@ -97,7 +111,20 @@ def test_unusable_values_are_refused_by_check(overrides, needle):
 
 
 def test_bad_bounds_stop_the_command_before_any_work(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "tbexp", "task_filter.lower=0.9", "task_filter.upper=0.1", f"hydra.run.dir={tmp_path}/run"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tbexp",
+            "task_filter.lower=0.9",
+            "task_filter.upper=0.1",
+            f"hydra.run.dir={tmp_path}/run",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2
     assert "task_filter.lower=0.9 must be below task_filter.upper=0.1" in out.stderr
     assert not (tmp_path / "run" / "summary.json").exists()

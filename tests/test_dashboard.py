@@ -46,7 +46,9 @@ def dashboard(study_storage, tmp_path):
     """scripts/dashboard running on a free port of 127.0.0.1; yields its base URL."""
     port = _free_port()
     log = (tmp_path / "dashboard.log").open("w")
-    server = subprocess.Popen([str(REPO / "scripts" / "dashboard"), study_storage, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+    server = subprocess.Popen(
+        [str(REPO / "scripts" / "dashboard"), study_storage, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_for(f"{url}/api/studies", server, tmp_path / "dashboard.log")
@@ -63,7 +65,12 @@ def test_dashboard_serves_the_study_over_its_api(dashboard):
 
 
 def test_dashboard_refuses_a_storage_that_does_not_exist(tmp_path):
-    done = subprocess.run([str(REPO / "scripts" / "dashboard"), f"sqlite:///{tmp_path}/nothing.db"], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [str(REPO / "scripts" / "dashboard"), f"sqlite:///{tmp_path}/nothing.db"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode != 0 and "no study storage" in done.stderr
     assert not (tmp_path / "nothing.db").exists()
 
@@ -86,8 +93,20 @@ def test_study_and_trials_appear_in_a_browser(dashboard):
 def _browse(chromium: str, url: str, action: str) -> str:
     # The page is a React app: the virtual time budget lets its scripts fetch the study and render before the dump.
     done = subprocess.run(
-        [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1400,1000", "--virtual-time-budget=15000", action, url],
-        capture_output=True, text=True, timeout=120,
+        [
+            chromium,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-dev-shm-usage",
+            "--window-size=1400,1000",
+            "--virtual-time-budget=15000",
+            action,
+            url,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout
@@ -98,7 +117,13 @@ def _chromium() -> tuple[str, str]:
     """(path to chromium, '') or ('', why it cannot be had); installs Debian's chromium when root."""
     if not shutil.which("chromium") and os.geteuid() == 0:
         for command in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "chromium"]):
-            done = subprocess.run(command, capture_output=True, text=True, timeout=900, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+            done = subprocess.run(
+                command,
+                capture_output=True,
+                text=True,
+                timeout=900,
+                env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"},
+            )
             if done.returncode != 0:
                 return "", f"{' '.join(command)} failed: {done.stderr.strip()[-500:]}"
     found = shutil.which("chromium")

@@ -33,8 +33,13 @@ PROCS = "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline 2>/dev/null; echo; 
 @pytest.fixture
 def settings(docker_engine):
     return compose_config(
-        "sandbox=docker", "sandbox.command_timeout_s=10", "sandbox.output_limit_bytes=4096",
-        "sandbox.disk_mb=64", "sandbox.memory_mb=256", "sandbox.pids_limit=64", "sandbox.max_lifetime_s=600",
+        "sandbox=docker",
+        "sandbox.command_timeout_s=10",
+        "sandbox.output_limit_bytes=4096",
+        "sandbox.disk_mb=64",
+        "sandbox.memory_mb=256",
+        "sandbox.pids_limit=64",
+        "sandbox.max_lifetime_s=600",
     ).sandbox
 
 
@@ -86,10 +91,14 @@ def test_upload_and_download_round_trip(sandbox, tmp_path):
     (src / "run.sh").chmod(0o755)
     sandbox.upload(src, "/tmp/up/deeper")  # parents are created
     sandbox.upload(src / "x.txt", "rel/one.txt")  # relative to the workdir
-    result = sandbox.exec("cat /tmp/up/deeper/x.txt /tmp/up/deeper/sub/y.txt /app/rel/one.txt; /tmp/up/deeper/run.sh; stat -c %U /tmp/up/deeper/x.txt")
+    result = sandbox.exec(
+        "cat /tmp/up/deeper/x.txt /tmp/up/deeper/sub/y.txt /app/rel/one.txt; /tmp/up/deeper/run.sh; stat -c %U /tmp/up/deeper/x.txt"
+    )
     assert result.output == "payloadnestedpayloadran\nroot\n"
 
-    sandbox.exec("mkdir -p /app/res/inner && echo 42 > /app/res/n.txt && echo 7 > /app/res/inner/m.txt && ln -s /etc /app/res/etc")
+    sandbox.exec(
+        "mkdir -p /app/res/inner && echo 42 > /app/res/n.txt && echo 7 > /app/res/inner/m.txt && ln -s /etc /app/res/etc"
+    )
     sandbox.download("/app/res", tmp_path / "back")
     assert (tmp_path / "back" / "n.txt").read_text() == "42\n"
     assert (tmp_path / "back" / "inner" / "m.txt").read_text() == "7\n"
@@ -122,7 +131,9 @@ def test_background_processes_do_not_outlive_their_exec(sandbox):
     assert started.output == "started\n" and started.exit_code == 0
     left = sandbox.exec(PROCS).output
     assert not any(f"sleep 301{i}" in left for i in (7, 8, 9)), left
-    assert subprocess.run(["pgrep", "-f", "sleep 301[789]"], capture_output=True).returncode == 1  # not on the host either
+    assert (
+        subprocess.run(["pgrep", "-f", "sleep 301[789]"], capture_output=True).returncode == 1
+    )  # not on the host either
 
 
 def test_no_network_not_even_the_hosts_loopback(sandbox, docker_engine):
@@ -131,7 +142,9 @@ def test_no_network_not_even_the_hosts_loopback(sandbox, docker_engine):
     server.listen()
     server.settimeout(3)
     port = server.getsockname()[1]
-    result = sandbox.exec(f"python3 -c \"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=2)\" 2>&1; ls /sys/class/net")
+    result = sandbox.exec(
+        f"python3 -c \"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=2)\" 2>&1; ls /sys/class/net"
+    )
     assert "Connection refused" in result.output or "unreachable" in result.output
     assert result.output.strip().splitlines()[-1] == "lo"  # no interface but loopback
     with pytest.raises(TimeoutError):
@@ -165,7 +178,9 @@ def test_fork_bomb_is_contained(sandbox):
     result = sandbox.exec(":(){ :|:& };:", timeout_s=10)
     assert result.exit_code is not None and time.monotonic() - started < 15
     assert sandbox.exec("echo alive").output == "alive\n"
-    assert sandbox.exec("ls -d /proc/[0-9]* | wc -l").output.strip() in {str(n) for n in range(3, 9)}  # bomb gone, zombies reaped
+    assert sandbox.exec("ls -d /proc/[0-9]* | wc -l").output.strip() in {
+        str(n) for n in range(3, 9)
+    }  # bomb gone, zombies reaped
     assert subprocess.run(["true"]).returncode == 0  # the host can still fork
 
 
@@ -182,11 +197,16 @@ def test_filling_the_disk_is_bounded_or_harmless(sandbox, docker_engine, setting
     assert "File size limit exceeded" in result.output or "File too large" in result.output
     assert int(result.output.split()[-1]) <= settings.disk_mb * 2**20  # one file: RLIMIT_FSIZE
     if docker_containers._storage_opt_ok:  # the engine caps the whole writable layer
-        result = sandbox.exec("for i in 1 2 3; do dd if=/dev/zero of=/f$i bs=1M count=40 2>&1; done; du -smc /big /f? | tail -1", timeout_s=60)
+        result = sandbox.exec(
+            "for i in 1 2 3; do dd if=/dev/zero of=/f$i bs=1M count=40 2>&1; done; du -smc /big /f? | tail -1",
+            timeout_s=60,
+        )
         assert int(result.output.split()[-2]) <= settings.disk_mb + 1
     else:  # only the engine's data root bounds it: it must not be the host's root file system
         data_root = docker_engine.info()["DockerRootDir"]
-        assert os.stat(data_root).st_dev != os.stat("/").st_dev, f"{data_root} shares the host's disk: run scripts/start_dockerd.sh"
+        assert os.stat(data_root).st_dev != os.stat("/").st_dev, (
+            f"{data_root} shares the host's disk: run scripts/start_dockerd.sh"
+        )
     assert sandbox.exec("rm -f /big /f? && echo freed").output == "freed\n"
 
 
@@ -273,8 +293,12 @@ def test_bad_environments_are_clear_errors(settings, tmp_path):
     box.stop()
 
     task = load_task(make_task(tmp_path, "broken"))
-    (task.environment_dir / "Dockerfile").write_text(f"FROM tbexp-base:bookworm\nRUN echo about-to-fail-{uuid.uuid4().hex} && exit 3\n")
-    with pytest.raises(SandboxError, match=r"(?s)broken/environment/Dockerfile: docker build failed.*about-to-fail.*non-zero code: 3"):
+    (task.environment_dir / "Dockerfile").write_text(
+        f"FROM tbexp-base:bookworm\nRUN echo about-to-fail-{uuid.uuid4().hex} && exit 3\n"
+    )
+    with pytest.raises(
+        SandboxError, match=r"(?s)broken/environment/Dockerfile: docker build failed.*about-to-fail.*non-zero code: 3"
+    ):
         DockerSandbox(settings, task).start()
 
 
@@ -330,7 +354,9 @@ def test_figures(settings, tmp_path, docker_engine):
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(episode, range(24)))
     per_s = 24 / (time.monotonic() - t0)
-    print(f"\nfirst start incl. build {first_build_s:.2f} s; cached start p50 {statistics.median(starts) * 1000:.0f} ms; "
-          f"exec p50 {statistics.median(execs) * 1000:.0f} ms; episodes (start, upload, 2 execs, stop) {per_s:.1f}/s with 4 threads")
+    print(
+        f"\nfirst start incl. build {first_build_s:.2f} s; cached start p50 {statistics.median(starts) * 1000:.0f} ms; "
+        f"exec p50 {statistics.median(execs) * 1000:.0f} ms; episodes (start, upload, 2 execs, stop) {per_s:.1f}/s with 4 threads"
+    )
     assert not _containers(docker_engine, owner=os.getpid())
     docker_engine.remove_image(image, force=True)

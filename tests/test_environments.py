@@ -276,4 +276,7 @@ def test_prebuilt_docker_image_runs_in_docker(tmp_path, stand_ins):
     with DockerSandbox(settings, task) as box:
         assert box.exec("cut -c1-2 /etc/debian_version; command -v tmux").output.split() == ["12", "/usr/bin/tmux"]
     missing = _prebuilt_task(tmp_path / "other", "no-such-image:ever")
-    assert "docker_image no-such-image:ever is not on this engine" in prepare_environments([missing], settings)["test/prebuilt"]
+    assert (
+        "docker_image no-such-image:ever is not on this engine"
+        in prepare_environments([missing], settings)["test/prebuilt"]
+    )

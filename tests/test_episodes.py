@@ -32,7 +32,13 @@ class ScriptedPolicy:
 
 
 def _settings(sandbox: str, command_timeout_s: float = 4):
-    return compose_config(f"sandbox={sandbox}", f"sandbox.command_timeout_s={command_timeout_s}", "sandbox.disk_mb=64", "sandbox.memory_mb=256", "sandbox.pids_limit=64")
+    return compose_config(
+        f"sandbox={sandbox}",
+        f"sandbox.command_timeout_s={command_timeout_s}",
+        "sandbox.disk_mb=64",
+        "sandbox.memory_mb=256",
+        "sandbox.pids_limit=64",
+    )
 
 
 @pytest.fixture(params=SANDBOXES)
@@ -77,7 +83,10 @@ def _abuse(port: int, host_target: Path) -> dict[str, tuple[str, bool]]:
         "hang_past_timeout": ("sleep 600", True),
         "output_flood": ("yes flood", True),
         "read_host_files": (f"cat {REPO}/pyproject.toml /root/.cache/tbexp/rootfs/.tbexp-complete; ls {REPO}", True),
-        "host_loopback": (f"python3 -c \"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=2); print('CONNECTED')\"", True),
+        "host_loopback": (
+            f"python3 -c \"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=2); print('CONNECTED')\"",
+            True,
+        ),
         "kill_all": ("kill -9 -1", True),
         "delete_logs_and_tests": ("rm -rf /logs /tests; touch /logs /tests", True),
         "symlink_in_tests": (f"mkdir -p /tests && ln -sfn {host_target} /tests/test.sh", True),
@@ -95,7 +104,9 @@ def _expected(abuse: str, sandbox: str) -> float | str:
         return DAMAGED_0 if capped else SOLVED
     if abuse == "rm_rf_root":  # bwrap's root is read-only, so only the writable paths go; docker loses bash itself
         return TWO_OF_THREE if sandbox == "bwrap" else DAMAGED_0
-    if abuse == "conftest_in_tests":  # the planted hook is cleared before the tests arrive: only the untouched input passes
+    if (
+        abuse == "conftest_in_tests"
+    ):  # the planted hook is cleared before the tests arrive: only the untouched input passes
         return INPUT_ONLY
     if abuse == "fake_sandbox_error" and sandbox == "bwrap":  # read as bwrap failing: the agent's turns end, unsolved
         return INPUT_ONLY
@@ -123,7 +134,9 @@ def test_abuse_gets_its_verdict_and_hurts_nobody_else(abuse, sandbox_name, liste
     expected = _expected(abuse, sandbox_name)
     assert not bad.invalid, f"the abusive episode was dropped: {bad.invalid}"
     if expected == DAMAGED_0:
-        assert bad.damage and bad.report.tests == {} and bad.report.rewards == {}, f"not scored 0 with damage: {bad.damage!r} {bad.report}"
+        assert bad.damage and bad.report.tests == {} and bad.report.rewards == {}, (
+            f"not scored 0 with damage: {bad.damage!r} {bad.report}"
+        )
         assert per_test([bad.report], [1]) == [0.0]
     else:
         assert bad.report.tests, f"no test results: {bad.damage}"
@@ -169,14 +182,28 @@ def test_an_episode_that_keeps_going_is_stopped_at_max_turns(settings, tmp_path)
 def test_a_broken_verifier_makes_the_episode_invalid_not_zero(settings, tmp_path):
     task_dir = make_task(tmp_path)
     (task_dir / "tests" / "test.sh").write_text("#!/bin/bash\nexit 0\n")  # writes no results at all
-    episode = run_episode(load_task(task_dir), 0, make_agent(settings.agent), lambda t, a: make_policy("oracle", t, a), settings.sandbox, 4)
+    episode = run_episode(
+        load_task(task_dir),
+        0,
+        make_agent(settings.agent),
+        lambda t, a: make_policy("oracle", t, a),
+        settings.sandbox,
+        4,
+    )
     assert episode.report is None and "VerifierError" in episode.invalid
 
 
 def test_a_broken_sandbox_makes_the_episode_invalid(settings, tmp_path):
     task_dir = make_task(tmp_path)
     (task_dir / "environment" / "Dockerfile").write_text("FROM tbexp-base:bookworm\nCOPY missing-dir/ /app/\n")
-    episode = run_episode(load_task(task_dir), 0, make_agent(settings.agent), lambda t, a: make_policy("oracle", t, a), settings.sandbox, 4)
+    episode = run_episode(
+        load_task(task_dir),
+        0,
+        make_agent(settings.agent),
+        lambda t, a: make_policy("oracle", t, a),
+        settings.sandbox,
+        4,
+    )
     assert episode.invalid and episode.report is None
 
 
@@ -187,16 +214,23 @@ def _oracle(task, agent):
 def test_a_pytest_task_whose_verifier_ran_no_test_is_invalid_not_zero(settings, tmp_path):
     # What an offline Terminal-Bench test.sh does: its pytest cannot be had, it writes reward 0 and no test report.
     task_dir = make_task(tmp_path)
-    (task_dir / "tests" / "test.sh").write_text("#!/bin/bash\nuvx pytest --ctrf /logs/verifier/ctrf.json /tests/test_outputs.py\necho 0 > /logs/verifier/reward.txt\n")
+    (task_dir / "tests" / "test.sh").write_text(
+        "#!/bin/bash\nuvx pytest --ctrf /logs/verifier/ctrf.json /tests/test_outputs.py\necho 0 > /logs/verifier/reward.txt\n"
+    )
     episode = run_episode(load_task(task_dir), 0, make_agent(settings.agent), _oracle, settings.sandbox, 4)
     assert episode.report is None and not episode.damage
-    assert "reported no test that passed or failed" in episode.invalid and "fails in a fresh sandbox too" in episode.invalid
+    assert (
+        "reported no test that passed or failed" in episode.invalid
+        and "fails in a fresh sandbox too" in episode.invalid
+    )
 
 
 def test_a_task_that_is_not_pytest_is_scored_from_its_reward_file(settings, tmp_path):
     task_dir = make_task(tmp_path)
     (task_dir / "tests" / "test_outputs.py").unlink()
-    (task_dir / "tests" / "test.sh").write_text("#!/bin/bash\ngrep -qx done /app/out.txt && echo 1 > /logs/verifier/reward.txt || echo 0.25 > /logs/verifier/reward.txt\n")
+    (task_dir / "tests" / "test.sh").write_text(
+        "#!/bin/bash\ngrep -qx done /app/out.txt && echo 1 > /logs/verifier/reward.txt || echo 0.25 > /logs/verifier/reward.txt\n"
+    )
     agent, task = make_agent(settings.agent), load_task(task_dir)
     solved = run_episode(task, 0, agent, _oracle, settings.sandbox, 4)
     unsolved = run_episode(task, 1, agent, lambda t, a: ScriptedPolicy(a, ["true"]), settings.sandbox, 4)
@@ -208,5 +242,7 @@ def test_a_verifier_failure_after_an_agent_that_ran_nothing_is_invalid(settings,
     # No command ran, so nothing the agent did can have broken the verifier; no control sandbox is needed.
     task_dir = make_task(tmp_path)
     (task_dir / "tests" / "test.sh").write_text("#!/bin/bash\nexit 0\n")
-    episode = run_episode(load_task(task_dir), 0, make_agent(settings.agent), lambda t, a: make_policy("nop", t, a), settings.sandbox, 4)
+    episode = run_episode(
+        load_task(task_dir), 0, make_agent(settings.agent), lambda t, a: make_policy("nop", t, a), settings.sandbox, 4
+    )
     assert episode.report is None and "VerifierError" in episode.invalid and "fresh sandbox" not in episode.invalid

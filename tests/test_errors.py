@@ -21,7 +21,9 @@ def _error_classes() -> list[tuple[str, str]]:
     for path in sorted(PACKAGE.rglob("*.py")):
         tree = ast.parse(path.read_text())
         module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
-        found += [(module, node.name) for node in tree.body if isinstance(node, ast.ClassDef) and node.name.endswith("Error")]
+        found += [
+            (module, node.name) for node in tree.body if isinstance(node, ast.ClassDef) and node.name.endswith("Error")
+        ]
     return found
 
 
@@ -38,7 +40,12 @@ def test_every_error_class_is_a_tbexp_error(module, name):
 def test_a_tbexp_error_ends_the_job_with_one_line_and_exit_2(tmp_path):
     empty = tmp_path / "no-tasks"
     empty.mkdir()
-    done = subprocess.run([sys.executable, "-m", "tbexp", "stage=eval", "tasks=dir", f"tasks.path={empty}"], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "tbexp", "stage=eval", "tasks=dir", f"tasks.path={empty}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 2, done.stderr[-2000:]
     assert "Traceback" not in done.stderr
     assert f"tbexp: {empty}" in done.stderr

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from tbexp.config import ConfigError, check
-from tbexp.stages import filter as filter_stage
 from tbexp.job import Job
+from tbexp.stages import filter as filter_stage
 from tests.conftest import compose_config, make_task
 
 COIN = "from pathlib import Path\ndef test_a():\n    assert True\ndef test_b():\n    assert True\ndef test_heads():\n    assert Path('/app/coin.txt').read_text().strip() == '1'\n"
@@ -28,7 +28,14 @@ def _filter(tmp_path, monkeypatch, candidates, *overrides):
     run = tmp_path / "run"
     run.mkdir(exist_ok=True)
     monkeypatch.chdir(run)
-    cfg = compose_config("stage=filter", "tasks=dir", f"tasks.path={candidates}", f"tasks.cache_dir={tmp_path}/cache/tasks", "task_filter.k=16", *overrides)
+    cfg = compose_config(
+        "stage=filter",
+        "tasks=dir",
+        f"tasks.path={candidates}",
+        f"tasks.cache_dir={tmp_path}/cache/tasks",
+        "task_filter.k=16",
+        *overrides,
+    )
     check(cfg)
     return filter_stage.run(Job(cfg)), json.loads((run / "kept_tasks.json").read_text())
 
@@ -64,7 +71,9 @@ def test_small_k_warns(caplog):
     assert "no success 43%" in caplog.text
 
 
-@pytest.mark.parametrize("overrides", [["task_filter.lower=0.5", "task_filter.upper=0.5"], ["task_filter.lower=-0.1"], ["task_filter.k=0"]])
+@pytest.mark.parametrize(
+    "overrides", [["task_filter.lower=0.5", "task_filter.upper=0.5"], ["task_filter.lower=-0.1"], ["task_filter.k=0"]]
+)
 def test_bad_bounds_are_refused_at_compose_time(overrides):
     with pytest.raises(ConfigError):
         check(compose_config("stage=filter", *overrides))

@@ -12,7 +12,9 @@ from tbexp.stages import grpo as grpo_stage
 from tests.conftest import collect_oracle, compose_config, compose_job
 
 
-@pytest.mark.parametrize("metric, expected", [("eval/reward", {4: 0.4, 8: 0.2, 12: 0.3}), ("grpo/best_reward", {4: 0.4, 8: 0.4, 12: 0.4})])
+@pytest.mark.parametrize(
+    "metric, expected", [("eval/reward", {4: 0.4, 8: 0.2, 12: 0.3}), ("grpo/best_reward", {4: 0.4, 8: 0.4, 12: 0.4})]
+)
 def test_a_sweep_trial_hears_the_latest_or_the_peak_held_out_reward(tmp_path, metric, expected):
     """The reward at each eval, or the peak so far (what the stage would return): the trial's pruning metric picks.
 
@@ -24,9 +26,16 @@ def test_a_sweep_trial_hears_the_latest_or_the_peak_held_out_reward(tmp_path, me
 
     storage = f"sqlite:///{tmp_path}/optuna.db"
     optuna.create_study(study_name="s", storage=open_storage(storage), direction="maximize").ask()
-    cfg = compose_config("trial.number=0", "trial.study=s", f"trial.storage={storage}", f"trial.pruning_metric={metric}")
+    cfg = compose_config(
+        "trial.number=0", "trial.study=s", f"trial.storage={storage}", f"trial.pruning_metric={metric}"
+    )
     evals = []
-    for step, reward in ((0, float("nan")), (4, 0.4), (8, 0.2), (12, 0.3)):  # RL spoils a good start, recovers part of it
+    for step, reward in (
+        (0, float("nan")),
+        (4, 0.4),
+        (8, 0.2),
+        (12, 0.3),
+    ):  # RL spoils a good start, recovers part of it
         evals.append({"step": step, "eval/reward": reward})
         grpo_stage._report(cfg, evals, step)
     assert load_study(storage, "s").trials[0].intermediate_values == expected
@@ -39,11 +48,36 @@ def warm_start(tmp_path_factory, rootfs) -> str:
 
     folder = tmp_path_factory.mktemp("warm")
     collect_oracle(folder / "gold.jsonl", "tasks.limit=3", "tasks.families=[file-move]", "collect.split=train")
-    job = compose_job("stage=sft", "tasks.limit=3", "tasks.families=[file-move]", "sft.steps=30", "sft.batch_size=4", "sft.eval_every=30", "sft.learning_rate=0.01", "sft.val_fraction=0.34", "sft.patience=0")
+    job = compose_job(
+        "stage=sft",
+        "tasks.limit=3",
+        "tasks.families=[file-move]",
+        "sft.steps=30",
+        "sft.batch_size=4",
+        "sft.eval_every=30",
+        "sft.learning_rate=0.01",
+        "sft.val_fraction=0.34",
+        "sft.patience=0",
+    )
     return sft.train(job, folder / "gold.jsonl", folder / "sft").checkpoint
 
 
-GRPO = ["stage=grpo", "policy=model", "reward=per_test", "task_filter=none", "tasks.limit=3", "tasks.families=[file-move]", "task_filter.max_tasks=0", "grpo.groups_per_step=3", "grpo.group_size=6", "grpo.temperature=1.2", "grpo.eval_every=2", "grpo.eval_n_runs=1", "sampling.max_tokens=48", "agent.max_turns=3"]
+GRPO = [
+    "stage=grpo",
+    "policy=model",
+    "reward=per_test",
+    "task_filter=none",
+    "tasks.limit=3",
+    "tasks.families=[file-move]",
+    "task_filter.max_tasks=0",
+    "grpo.groups_per_step=3",
+    "grpo.group_size=6",
+    "grpo.temperature=1.2",
+    "grpo.eval_every=2",
+    "grpo.eval_n_runs=1",
+    "sampling.max_tokens=48",
+    "agent.max_turns=3",
+]
 
 
 def _grpo(run_dir, monkeypatch, checkpoint, *overrides):
@@ -68,7 +102,16 @@ def test_steps_log_where_time_went_and_keep_the_peak(warm_start, tmp_path, monke
     assert float(scale) == 0.0
     trained = [r for r in steps if "optim/logit_scale" in r]
     assert trained and all(r["optim/logit_scale"] != 1.0 for r in trained)
-    for key in ("time/sample", "time/env", "time/verify", "time/train", "rollout/strict_success", "rollout/valid_command_rate", "rollout/turns", "rollout/invalid_episodes"):
+    for key in (
+        "time/sample",
+        "time/env",
+        "time/verify",
+        "time/train",
+        "rollout/strict_success",
+        "rollout/valid_command_rate",
+        "rollout/turns",
+        "rollout/invalid_episodes",
+    ):
         assert key in steps[0], key
     state = json.loads((tmp_path / "grpo_state.json").read_text())
     assert [e["step"] for e in state["evals"]] == [0, 2]
@@ -82,7 +125,14 @@ def test_steps_log_where_time_went_and_keep_the_peak(warm_start, tmp_path, monke
 @pytest.mark.sandbox
 def test_a_resumed_run_ends_where_an_uninterrupted_one_does(warm_start, tmp_path, monkeypatch):
     # One episode at a time, so every batch of samples holds one request and the numbers are exactly repeatable.
-    settings = ("grpo.steps=3", "grpo.concurrency=1", "grpo.eval_at_start=false", "grpo.eval_every=3", "grpo.learning_rate=0.05", "reward=per_test")
+    settings = (
+        "grpo.steps=3",
+        "grpo.concurrency=1",
+        "grpo.eval_at_start=false",
+        "grpo.eval_every=3",
+        "grpo.learning_rate=0.05",
+        "reward=per_test",
+    )
     _grpo(tmp_path / "straight", monkeypatch, warm_start, *settings)
     real_step = grpo_stage._step
 
@@ -100,7 +150,9 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_does(warm_start, tmp_path
     straight, resumed = _rows(tmp_path / "straight"), _rows(tmp_path / "resumed")
     assert any("train/loss" in r for r in straight), "no step trained: the comparison would prove nothing"
     key = ("rollout/reward_mean", "rollout/sampled_tokens", "train/loss")
-    assert [[r.get(k) for k in key] for r in straight if "rollout/reward_mean" in r] == [[r.get(k) for k in key] for r in resumed if "rollout/reward_mean" in r]
+    assert [[r.get(k) for k in key] for r in straight if "rollout/reward_mean" in r] == [
+        [r.get(k) for k in key] for r in resumed if "rollout/reward_mean" in r
+    ]
     w1 = load_file(tmp_path / "straight" / "checkpoints" / "step-00003" / "trainable.safetensors")
     w2 = load_file(tmp_path / "resumed" / "checkpoints" / "step-00003" / "trainable.safetensors")
     assert all(torch.equal(w1[k], w2[k]) for k in w1)

@@ -44,7 +44,14 @@ def heldout(tmp_path_factory) -> list[Path]:
     return sorted((root / "heldout").iterdir())
 
 
-def run_trials(task_dirs: list[Path], agent: str, trials_dir: Path, import_path: str = BWRAP, sandbox: dict | None = None, concurrency: int = 4):
+def run_trials(
+    task_dirs: list[Path],
+    agent: str,
+    trials_dir: Path,
+    import_path: str = BWRAP,
+    sandbox: dict | None = None,
+    concurrency: int = 4,
+):
     async def one(task_dir: Path, gate: asyncio.Semaphore):
         config = TrialConfig(
             task=TaskConfig(path=task_dir),

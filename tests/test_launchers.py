@@ -11,6 +11,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+
 from tbexp import launchers
 from tbexp.preemption import interruptible
 from tests.conftest import REPO, compose_config
@@ -26,13 +27,35 @@ def test_launcher_configs_compose_with_tbexp_defaults(launcher):
     assert cfg.timeout_min == 30
     if launcher == "submitit_slurm":
         assert cfg.max_num_timeout == 3 and cfg.additional_parameters == {"requeue": True}
-        assert _hydra_launcher(launcher, "hydra.launcher.partition=gpu", "hydra.launcher.account=lab").partition == "gpu"
+        assert (
+            _hydra_launcher(launcher, "hydra.launcher.partition=gpu", "hydra.launcher.account=lab").partition == "gpu"
+        )
 
 
 def test_a_misspelt_launcher_key_is_refused_without_hydras_deprecation_warning():
-    ok = subprocess.run([sys.executable, "-m", "tbexp", "hydra/launcher=submitit_slurm", "--cfg", "hydra"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    ok = subprocess.run(
+        [sys.executable, "-m", "tbexp", "hydra/launcher=submitit_slurm", "--cfg", "hydra"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert ok.returncode == 0 and "deprecated" not in ok.stderr  # tbexp.launchers silences the schema-matching warning
-    typo = subprocess.run([sys.executable, "-m", "tbexp", "hydra/launcher=submitit_slurm", "hydra.launcher.partiton=gpu", "--cfg", "hydra"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    typo = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tbexp",
+            "hydra/launcher=submitit_slurm",
+            "hydra.launcher.partiton=gpu",
+            "--cfg",
+            "hydra",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert typo.returncode != 0 and "partiton" in typo.stderr
 
 
@@ -91,7 +114,13 @@ def test_a_signal_mid_step_checkpoints_after_the_step_and_goes_to_the_previous_h
 
 def test_without_a_signal_the_loop_runs_through_and_handlers_are_restored():
     before = signal.getsignal(signal.SIGTERM)
-    assert list(interruptible(range(5), checkpoint=lambda step: pytest.fail("no signal, no checkpoint"))) == [0, 1, 2, 3, 4]
+    assert list(interruptible(range(5), checkpoint=lambda step: pytest.fail("no signal, no checkpoint"))) == [
+        0,
+        1,
+        2,
+        3,
+        4,
+    ]
     assert signal.getsignal(signal.SIGTERM) is before
 
 
@@ -112,9 +141,25 @@ def test_sigterm_without_a_python_handler_exits_after_the_checkpoint():
 def test_submitit_local_jobs_run_on_different_gpus(rootfs, tmp_path):
     # No GPU is needed: the jobs only record what they were given (a CPU-only torch ignores the variable).
     done = subprocess.run(
-        [sys.executable, "-m", "tbexp", "-m", "hydra/launcher=submitit_local", "hydra.launcher.gpus_per_node=1", f"hydra.sweep.dir={tmp_path}",
-         "stage=eval", "policy=nop", "tasks.limit=1", "eval.n_runs=1", "seed=0,1,2"],
-        cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "TBEXP_GPUS": "4,5"},
+        [
+            sys.executable,
+            "-m",
+            "tbexp",
+            "-m",
+            "hydra/launcher=submitit_local",
+            "hydra.launcher.gpus_per_node=1",
+            f"hydra.sweep.dir={tmp_path}",
+            "stage=eval",
+            "policy=nop",
+            "tasks.limit=1",
+            "eval.n_runs=1",
+            "seed=0,1,2",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "TBEXP_GPUS": "4,5"},
     )
     assert done.returncode == 0, done.stderr[-3000:]
     given = [(tmp_path / str(job) / "__main__.log").read_text() for job in range(3)]
@@ -125,7 +170,10 @@ def test_submitit_local_jobs_run_on_different_gpus(rootfs, tmp_path):
 def sft_data(tmp_path) -> Path:
     """Raw-command rows, so SFT needs no sandbox: 24 prompts over a few names."""
     rows = [
-        {"prompt": f"Count the {level} lines of service {service} in /app/{log} and write the number to /app/count.txt", "completion": f"grep -c ' {level} {service}:' /app/{log} > /app/count.txt"}
+        {
+            "prompt": f"Count the {level} lines of service {service} in /app/{log} and write the number to /app/count.txt",
+            "completion": f"grep -c ' {level} {service}:' /app/{log} > /app/count.txt",
+        }
         for level in ("ERROR", "WARN", "INFO")
         for service in ("auth", "db", "api", "web")
         for log in ("app.log", "server.log")
@@ -141,7 +189,15 @@ def test_sft_checkpoints_on_sigterm_and_a_hard_kill_redoes_steps_only_once(sft_d
     from tbexp.stages import sft as sft_stage
 
     real_batch = sft_stage.epoch_batch
-    cfg = compose_config("stage=sft", f"sft.data={sft_data}", "sft.steps=12", "sft.eval_every=5", "sft.batch_size=4", "sft.patience=0", "sft.warmup_steps=1")
+    cfg = compose_config(
+        "stage=sft",
+        f"sft.data={sft_data}",
+        "sft.steps=12",
+        "sft.eval_every=5",
+        "sft.batch_size=4",
+        "sft.patience=0",
+        "sft.warmup_steps=1",
+    )
     monkeypatch.chdir(tmp_path)
 
     def interrupt_at(index: int, interruption):

@@ -20,7 +20,6 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 GREEDY = types.SamplingParams(max_tokens=12, temperature=0.0, stop=[])
 
 
-
 def char_tokenizer() -> PreTrainedTokenizerFast:
     """One printable character per token (ids 0..298), id 299 = <eos>; decode concatenates."""
     chars = [chr(0x21 + i) for i in range(94)] + [chr(0x100 + i) for i in range(VOCAB - 95)]
@@ -32,23 +31,47 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return LlamaForCausalLM(config)
 
 
 def backend(tmp_path, lora_rank: int = 4, lora_dropout: float = 0.0, **kw) -> LocalBackend:
-    return LocalBackend(tiny_llama(), char_tokenizer(), lora_rank=lora_rank, lora_alpha=8.0, lora_dropout=lora_dropout, lora_targets=TARGETS, device="cpu", save_dir=tmp_path / "states", **kw)
+    return LocalBackend(
+        tiny_llama(),
+        char_tokenizer(),
+        lora_rank=lora_rank,
+        lora_alpha=8.0,
+        lora_dropout=lora_dropout,
+        lora_targets=TARGETS,
+        device="cpu",
+        save_dir=tmp_path / "states",
+        **kw,
+    )
 
 
 def sft_datum(tokens: list[int], weights: list[float] | None = None) -> types.Datum:
     weights = weights if weights is not None else [1.0] * (len(tokens) - 1)
-    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights})
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights},
+    )
 
 
 def rl_datum(tokens: list[int], logprobs: list[float], advantages: list[float]) -> types.Datum:
-    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={"target_tokens": tokens[1:], "logprobs": logprobs, "advantages": advantages})
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "logprobs": logprobs, "advantages": advantages},
+    )
 
 
 def random_tokens(n: int, seed: int) -> list[int]:
@@ -72,7 +95,10 @@ def sgd(lr: float = 1e-2) -> types.AdamParams:
 # ---- chunked log-softmax ----
 
 
-@pytest.mark.parametrize(("chunk", "compiled"), [(1, None), (3, None), (7, None), (16, None), (100, None), (3, "aot_eager"), (16, "aot_eager")])
+@pytest.mark.parametrize(
+    ("chunk", "compiled"),
+    [(1, None), (3, None), (7, None), (16, None), (100, None), (3, "aot_eager"), (16, "aot_eager")],
+)
 def test_chunked_logprobs_equal_naive_values_and_gradients(chunk, compiled):
     g = torch.Generator().manual_seed(0)
     h = torch.randn(16, 8, generator=g, requires_grad=True)
@@ -158,7 +184,11 @@ def test_ppo_clips_the_ratio_and_zeroes_the_clipped_gradient(tmp_path):
         torch.testing.assert_close(ppo_grads[name], g)
     # Wider thresholds from loss_fn_config put ratio e inside the band: r·A, with a gradient.
     b.optimizer.zero_grad(set_to_none=True)
-    result = b.forward_backward([rl_datum(tokens, (logp - 1).tolist(), adv.tolist())], "ppo", {"clip_low_threshold": 0.5, "clip_high_threshold": 3.0}).result()
+    result = b.forward_backward(
+        [rl_datum(tokens, (logp - 1).tolist(), adv.tolist())],
+        "ppo",
+        {"clip_low_threshold": 0.5, "clip_high_threshold": 3.0},
+    ).result()
     assert result.loss == pytest.approx(-torch.e * adv.sum().item(), rel=1e-4)
     assert any(torch.count_nonzero(g) > 0 for g in grads(b).values())
 
@@ -167,10 +197,14 @@ def test_ppo_clips_the_ratio_and_zeroes_the_clipped_gradient(tmp_path):
 
 
 @pytest.mark.parametrize("packing", [False, True])
-@pytest.mark.parametrize(("microbatch_tokens", "lengths"), [(8192, (5, 13, 9, 2)), (20, (5, 13, 9, 2)), (8192, (7, 7, 7))])
+@pytest.mark.parametrize(
+    ("microbatch_tokens", "lengths"), [(8192, (5, 13, 9, 2)), (20, (5, 13, 9, 2)), (8192, (7, 7, 7))]
+)
 def test_padded_or_packed_batch_equals_per_datum(tmp_path, microbatch_tokens, lengths, packing):
     b = backend(tmp_path, microbatch_tokens=microbatch_tokens, packing=packing)
-    data = [sft_datum(random_tokens(n, seed=n + i), [float(i % 3) for i in range(n - 1)]) for i, n in enumerate(lengths)]
+    data = [
+        sft_datum(random_tokens(n, seed=n + i), [float(i % 3) for i in range(n - 1)]) for i, n in enumerate(lengths)
+    ]
     batched = b.forward_backward(data, "cross_entropy").result()
     batched_grads = grads(b)
     b.optimizer.zero_grad(set_to_none=True)
@@ -194,11 +228,19 @@ def test_packed_microbatches_hold_whole_datums_within_the_budget():
 def test_compiled_layers_and_other_kernels_give_the_same_loss_and_gradients(tmp_path):
     data = [sft_datum(random_tokens(n, seed=n)) for n in (6, 11)]
     # inductor's compile is slow on CPU; aot_eager runs the same capture. MATH is the one SDPA kernel every CPU has.
-    eager, compiled = backend(tmp_path), backend(tmp_path, compile_backend="aot_eager", logprob_chunk_tokens=3, sdpa_backend="math")
-    assert compiled.forward_backward(data, "cross_entropy").result().loss == pytest.approx(eager.forward_backward(data, "cross_entropy").result().loss, rel=1e-6)
+    eager, compiled = (
+        backend(tmp_path),
+        backend(tmp_path, compile_backend="aot_eager", logprob_chunk_tokens=3, sdpa_backend="math"),
+    )
+    assert compiled.forward_backward(data, "cross_entropy").result().loss == pytest.approx(
+        eager.forward_backward(data, "cross_entropy").result().loss, rel=1e-6
+    )
     for name, g in grads(eager).items():
         torch.testing.assert_close(grads(compiled)[name], g)
-    assert compiled.sampler().sample(_prompt(), 2, GREEDY).result()[0].tokens == eager.sampler().sample(_prompt(), 2, GREEDY).result()[0].tokens
+    assert (
+        compiled.sampler().sample(_prompt(), 2, GREEDY).result()[0].tokens
+        == eager.sampler().sample(_prompt(), 2, GREEDY).result()[0].tokens
+    )
 
 
 def test_bf16_keeps_trainable_weights_fp32_and_matches_fp32_loosely(tmp_path):
@@ -206,13 +248,20 @@ def test_bf16_keeps_trainable_weights_fp32_and_matches_fp32_loosely(tmp_path):
     fp32, bf16 = backend(tmp_path), backend(tmp_path, dtype="bfloat16")
     assert {p.dtype for p in bf16._params.values()} == {torch.float32}
     assert {p.dtype for n, p in bf16.model.named_parameters() if n not in bf16._params} == {torch.bfloat16}
-    want, got = fp32.forward_backward(data, "cross_entropy").result(), bf16.forward_backward(data, "cross_entropy").result()
+    want, got = (
+        fp32.forward_backward(data, "cross_entropy").result(),
+        bf16.forward_backward(data, "cross_entropy").result(),
+    )
     assert got.loss == pytest.approx(want.loss, rel=2e-2)
     torch.testing.assert_close(torch.tensor(got.logprobs[1]), torch.tensor(want.logprobs[1]), atol=0.1, rtol=0)
-    assert {g.dtype for g in grads(bf16).values()} == {torch.float32} and any(torch.count_nonzero(g) for g in grads(bf16).values())
+    assert {g.dtype for g in grads(bf16).values()} == {torch.float32} and any(
+        torch.count_nonzero(g) for g in grads(bf16).values()
+    )
     bf16.optim_step(sgd()).result()
     assert len(bf16.sampler().sample(_prompt(), 2, GREEDY).result()[1].tokens) == GREEDY.max_tokens
-    full = backend(tmp_path, lora_rank=0, dtype="bfloat16")  # full fine-tuning: every weight trains, so every weight stays fp32
+    full = backend(
+        tmp_path, lora_rank=0, dtype="bfloat16"
+    )  # full fine-tuning: every weight trains, so every weight stays fp32
     assert {p.dtype for p in full.model.parameters()} == {torch.float32}
     assert full.forward_backward(data, "cross_entropy").result().loss == pytest.approx(want.loss, rel=2e-2)
 
@@ -220,7 +269,9 @@ def test_bf16_keeps_trainable_weights_fp32_and_matches_fp32_loosely(tmp_path):
 def test_gradient_checkpointing_gives_the_same_gradients(tmp_path):
     data = [sft_datum(random_tokens(n, seed=n)) for n in (6, 11)]
     plain, ckpt = backend(tmp_path), backend(tmp_path, gradient_checkpointing=True)
-    assert plain.forward_backward(data, "cross_entropy").result().loss == pytest.approx(ckpt.forward_backward(data, "cross_entropy").result().loss, rel=1e-6)
+    assert plain.forward_backward(data, "cross_entropy").result().loss == pytest.approx(
+        ckpt.forward_backward(data, "cross_entropy").result().loss, rel=1e-6
+    )
     for name, g in grads(plain).items():
         torch.testing.assert_close(grads(ckpt)[name], g)
 
@@ -266,9 +317,13 @@ def test_logit_scale_multiplies_the_logits_for_training_and_sampling(tmp_path, m
     with torch.no_grad():
         b._params[name].fill_(math.log(2.0))
     tokens = random_tokens(15, seed=8)
-    logits = tiny_llama()(input_ids=torch.tensor([tokens])).logits[0, :-1].float()  # LoRA's B starts at 0: the base model's
+    logits = (
+        tiny_llama()(input_ids=torch.tensor([tokens])).logits[0, :-1].float()
+    )  # LoRA's B starts at 0: the base model's
     doubled = torch.log_softmax(2 * logits, -1).gather(1, torch.tensor(tokens[1:])[:, None]).squeeze(1)
-    assert b.sampler().compute_logprobs(types.ModelInput.from_ints(tokens)).result()[1:] == pytest.approx(doubled.tolist(), abs=1e-4)
+    assert b.sampler().compute_logprobs(types.ModelInput.from_ints(tokens)).result()[1:] == pytest.approx(
+        doubled.tolist(), abs=1e-4
+    )
     teacher_forced = b.forward([sft_datum(tokens)], "cross_entropy").result().logprobs[0]  # the training path
     assert teacher_forced == pytest.approx(doubled.tolist(), abs=1e-4)
 
@@ -311,7 +366,9 @@ def test_a_resumed_state_trains_the_logit_scale_at_this_backends_factor(tmp_path
 def test_grad_clip_and_weight_decay_follow_adam_params(tmp_path):
     b = backend(tmp_path)
     b.forward_backward([sft_datum(random_tokens(30, seed=6))], "cross_entropy").result()
-    norm = b.optim_step(types.AdamParams(learning_rate=1e-3, grad_clip_norm=1e-3, weight_decay=0.1)).result()["grad_norm"]
+    norm = b.optim_step(types.AdamParams(learning_rate=1e-3, grad_clip_norm=1e-3, weight_decay=0.1)).result()[
+        "grad_norm"
+    ]
     assert norm > 1e-3  # reported before clipping
     group = b.optimizer.param_groups[0]
     assert (group["lr"], group["betas"], group["eps"], group["weight_decay"]) == (1e-3, (0.9, 0.95), 1e-12, 0.1)
@@ -320,7 +377,9 @@ def test_grad_clip_and_weight_decay_follow_adam_params(tmp_path):
 def test_updates_run_on_train_threads_and_give_back_the_sampling_setting(tmp_path, monkeypatch):
     seen = []
     run = LocalBackend._run
-    monkeypatch.setattr(LocalBackend, "_run", lambda self, *a, **kw: seen.append(torch.get_num_threads()) or run(self, *a, **kw))
+    monkeypatch.setattr(
+        LocalBackend, "_run", lambda self, *a, **kw: seen.append(torch.get_num_threads()) or run(self, *a, **kw)
+    )
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -370,7 +429,9 @@ def test_save_then_load_into_a_fresh_backend_continues_exactly(tmp_path):
         assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft 0.21 under transformers 5
+@pytest.mark.filterwarnings(
+    "ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"
+)  # peft 0.21 under transformers 5
 def test_exported_adapter_loads_in_peft_with_the_same_logits(tmp_path):
     b = backend(tmp_path)
     _train(b, range(2))
@@ -468,10 +529,15 @@ def test_sampler_is_a_snapshot(tmp_path):
     assert [s.logprobs for s in fresh] != [s.logprobs for s in before]
 
 
-@pytest.mark.parametrize("params", [GREEDY, types.SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=4, stop=[])])
+@pytest.mark.parametrize(
+    "params", [GREEDY, types.SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=4, stop=[])]
+)
 def test_static_decode_samples_what_the_dynamic_decode_does(tmp_path, params):
     plain, static = backend(tmp_path), backend(tmp_path, cuda_graph_sampling=True)  # on CPU: the static cache, no graph
-    want, got = plain.sampler().sample(_prompt(), 3, params).result(), static.sampler().sample(_prompt(), 3, params).result()
+    want, got = (
+        plain.sampler().sample(_prompt(), 3, params).result(),
+        static.sampler().sample(_prompt(), 3, params).result(),
+    )
     assert [s.tokens for s in got] == [s.tokens for s in want]
     for g, w in zip(got, want):
         torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-5, rtol=0)
@@ -479,11 +545,19 @@ def test_static_decode_samples_what_the_dynamic_decode_does(tmp_path, params):
 
 def test_static_decode_ends_each_row_at_its_stop(tmp_path):
     static = backend(tmp_path, cuda_graph_sampling=True)
-    stopping = static.sampler().sample(_prompt(), 8, types.SamplingParams(max_tokens=30, temperature=1.0, seed=0, stop=["!", "#"])).result()
+    stopping = (
+        static.sampler()
+        .sample(_prompt(), 8, types.SamplingParams(max_tokens=30, temperature=1.0, seed=0, stop=["!", "#"]))
+        .result()
+    )
     assert {s.stop_reason for s in stopping} == {"stop", "length"}
     for s in stopping:
         text = static.tokenizer.decode(s.tokens)
-        assert (text[-1] in "!#" and not any(c in text[:-1] for c in "!#")) if s.stop_reason == "stop" else len(s.tokens) == 30
+        assert (
+            (text[-1] in "!#" and not any(c in text[:-1] for c in "!#"))
+            if s.stop_reason == "stop"
+            else len(s.tokens) == 30
+        )
 
 
 def test_filter_logits_top_k_and_top_p():
@@ -500,16 +574,42 @@ def test_lora_reaches_moe_expert_parameters_through_target_parameters(tmp_path):
     # gpt-oss keeps its experts as 3-D tensors, not nn.Linear: only target_parameters puts LoRA on them.
     from transformers import GptOssConfig, GptOssForCausalLM
 
-    config = GptOssConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, layer_types=["full_attention", "sliding_attention"])
+    config = GptOssConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        layer_types=["full_attention", "sliding_attention"],
+    )
     torch.manual_seed(0)
-    backend = LocalBackend(GptOssForCausalLM(config), None, lora_rank=4, lora_alpha=8, lora_dropout=0.0, lora_targets=["q_proj", "v_proj"], lora_target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], device="cpu", save_dir=tmp_path)
+    backend = LocalBackend(
+        GptOssForCausalLM(config),
+        None,
+        lora_rank=4,
+        lora_alpha=8,
+        lora_dropout=0.0,
+        lora_targets=["q_proj", "v_proj"],
+        lora_target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        device="cpu",
+        save_dir=tmp_path,
+    )
     trainable = [n for n, p in backend.model.named_parameters() if p.requires_grad]
     assert any("experts" in n and "lora" in n for n in trainable) and any("q_proj" in n for n in trainable)
-    datum = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3, 4]), loss_fn_inputs={"target_tokens": [2, 3, 4, 5], "weights": [1.0] * 4})
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints([1, 2, 3, 4]),
+        loss_fn_inputs={"target_tokens": [2, 3, 4, 5], "weights": [1.0] * 4},
+    )
     before = {n: p.detach().clone() for n, p in backend.model.named_parameters() if "experts" in n and p.requires_grad}
     backend.forward_backward([datum], "cross_entropy").result()
     backend.optim_step(types.AdamParams(learning_rate=1e-2)).result()
-    assert any(not torch.equal(before[n], p) for n, p in backend.model.named_parameters() if n in before)  # the experts' LoRA trained
+    assert any(
+        not torch.equal(before[n], p) for n, p in backend.model.named_parameters() if n in before
+    )  # the experts' LoRA trained
 
 
 @pytest.mark.parametrize("merge", [False, True])
@@ -528,9 +628,13 @@ def test_sampler_is_a_snapshot_merged_or_not(tmp_path, merge):
     other = backend(tmp_path / "other", merge_for_sampling=not merge)
     other.load_state(b.save_state("now"))
     fresh, mine = other.sampler(), b.sampler()  # merged and unmerged views of the same weights agree
-    assert [s.tokens for s in fresh.sample(_prompt(), 2, params).result()] == [s.tokens for s in mine.sample(_prompt(), 2, params).result()]
+    assert [s.tokens for s in fresh.sample(_prompt(), 2, params).result()] == [
+        s.tokens for s in mine.sample(_prompt(), 2, params).result()
+    ]
     tokens = types.ModelInput.from_ints(_prompt().to_ints() + before[0].tokens)
-    assert fresh.compute_logprobs(tokens).result()[1:] == pytest.approx(mine.compute_logprobs(tokens).result()[1:], abs=1e-5)
+    assert fresh.compute_logprobs(tokens).result()[1:] == pytest.approx(
+        mine.compute_logprobs(tokens).result()[1:], abs=1e-5
+    )
 
 
 def test_batched_requests_get_what_each_would_get_alone(tmp_path):
@@ -538,7 +642,10 @@ def test_batched_requests_get_what_each_would_get_alone(tmp_path):
 
     sampler = backend(tmp_path).sampler()
     prompts = [random_tokens(n, seed=n) for n in (3, 9, 5)]  # different lengths: left padding must not leak
-    requests = [Request(p, types.SamplingParams(max_tokens=6 + i, temperature=0.8, stop=[], seed=10 + i)) for i, p in enumerate(prompts)]
+    requests = [
+        Request(p, types.SamplingParams(max_tokens=6 + i, temperature=0.8, stop=[], seed=10 + i))
+        for i, p in enumerate(prompts)
+    ]
     batched = sampler.sample_batch(requests)
     alone = [sampler.sample_batch([r])[0] for r in requests]
     assert [s.tokens for s in batched] == [s.tokens for s in alone]
@@ -566,7 +673,12 @@ def test_a_restarted_backend_trains_as_a_newly_built_one_and_checkpoint_samplers
     fresh = backend(tmp_path / "fresh", merge_for_sampling=merge)
     fresh_losses = steps(fresh)
     checkpoint = fresh.save_state("trained")
-    base_reply = backend(tmp_path / "base", merge_for_sampling=merge).sampler().sample(types.ModelInput.from_ints([3, 4]), 1, params).result()[0]
+    base_reply = (
+        backend(tmp_path / "base", merge_for_sampling=merge)
+        .sampler()
+        .sample(types.ModelInput.from_ints([3, 4]), 1, params)
+        .result()[0]
+    )
 
     shared = backend(tmp_path / "shared", merge_for_sampling=merge)
     steps(shared, 2)  # a first training run on the loaded model

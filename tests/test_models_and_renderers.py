@@ -60,9 +60,17 @@ def test_default_config_loads_the_shipped_tiny_model(tiny):
 def test_tiny_model_answers_in_its_format(tiny):
     model, tokenizer = tiny
     renderer = make_renderer("plain", tokenizer)
-    prompt = renderer.initial_tokens("Print the contents of /app/notes.md.\n\nYou are in a bash shell in /app. Reply with exactly one bash command per turn; you will see its output. Reply `exit` when the task is done.")
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False, eos_token_id=renderer.stop(), pad_token_id=tokenizer.pad_token_id)
-    reply = renderer.decode_reply(out[0, len(prompt):].tolist())
+    prompt = renderer.initial_tokens(
+        "Print the contents of /app/notes.md.\n\nYou are in a bash shell in /app. Reply with exactly one bash command per turn; you will see its output. Reply `exit` when the task is done."
+    )
+    out = model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=40,
+        do_sample=False,
+        eos_token_id=renderer.stop(),
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    reply = renderer.decode_reply(out[0, len(prompt) :].tolist())
     assert reply.strip() and "<|" not in reply
 
 
@@ -159,7 +167,9 @@ def test_sampled_tokens_stay_as_sampled(name, tiny):
     after = renderer.continuation_tokens("app.conf:3:secret=1\n[exit 0]", split)
     episode = prompt + split + after
     assert episode[len(prompt) : len(prompt) + len(split)] == split
-    assert after[: len(renderer.end_of_turn_tokens())] == renderer.end_of_turn_tokens()  # closed, since the sample was not
+    assert (
+        after[: len(renderer.end_of_turn_tokens())] == renderer.end_of_turn_tokens()
+    )  # closed, since the sample was not
     closed = split + renderer.end_of_turn_tokens()
     again = renderer.continuation_tokens("ok\n[exit 0]", closed)
     assert again == renderer.continuation_tokens("ok\n[exit 0]", merged + renderer.end_of_turn_tokens())
@@ -182,9 +192,18 @@ def test_formats_look_like_their_templates(tiny):
         return tokenizer.decode(renderer.supervised(CONVERSATION[:2])[0])
 
     assert text("plain") == f"<|user|>{CONVERSATION[0]['content']}<|end|><|assistant|>ls /app/src<|end|>"
-    assert text("qwen3") == f"<|im_start|>user\n{CONVERSATION[0]['content']}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nls /app/src<|im_end|>"
-    assert text("llama3") == f"<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n{CONVERSATION[0]['content']}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\nls /app/src<|eot_id|>"
-    assert text("gpt_oss") == f"<|start|>user<|message|>{CONVERSATION[0]['content']}<|end|><|start|>assistant<|channel|>final<|message|>ls /app/src<|return|>"
+    assert (
+        text("qwen3")
+        == f"<|im_start|>user\n{CONVERSATION[0]['content']}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nls /app/src<|im_end|>"
+    )
+    assert (
+        text("llama3")
+        == f"<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n{CONVERSATION[0]['content']}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\nls /app/src<|eot_id|>"
+    )
+    assert (
+        text("gpt_oss")
+        == f"<|start|>user<|message|>{CONVERSATION[0]['content']}<|end|><|start|>assistant<|channel|>final<|message|>ls /app/src<|return|>"
+    )
 
 
 @pytest.mark.parametrize("name", ["qwen3", "llama3", "gpt_oss"])
@@ -215,7 +234,15 @@ def test_every_model_config_composes(name):
 
 # A small random instance of each architecture: the LoRA targets must be real nn.Linear modules there.
 ARCHITECTURES = {"qwen3": "qwen3", "llama3": "llama", "gpt_oss": "gpt_oss"}
-SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=128)
+SMALL = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    vocab_size=128,
+)
 
 
 @pytest.mark.parametrize("name", [n for n in MODEL_CONFIGS if n != "tiny"])

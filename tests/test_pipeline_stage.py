@@ -35,7 +35,9 @@ MINIATURE = [
 
 
 def _tbexp(*args, timeout=1500):
-    return subprocess.run([sys.executable, "-m", "tbexp", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "tbexp", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.mark.slow
@@ -47,7 +49,14 @@ def test_pipeline_writes_the_base_sft_rl_table_and_resumes(rootfs, tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((run / "summary.json").read_text())
     for row in ("base", "sft", "rl"):
-        for key in ("eval/strict_success", "eval/reward", "eval/pass@1", "eval/pass@1_stderr", "eval/valid_command_rate", "eval/avg_turns"):
+        for key in (
+            "eval/strict_success",
+            "eval/reward",
+            "eval/pass@1",
+            "eval/pass@1_stderr",
+            "eval/valid_command_rate",
+            "eval/avg_turns",
+        ):
             assert key in summary[row], (row, key)
     assert summary["grpo"]["grpo/checkpoint"].startswith(str(run / "grpo" / "checkpoints"))
     assert summary["filter"]["filter/kept"] == 4.0  # bounds [0, 1] keep every candidate
@@ -59,7 +68,9 @@ def test_pipeline_writes_the_base_sft_rl_table_and_resumes(rootfs, tmp_path):
     again = _tbexp(*miniature, f"hydra.run.dir={run}")
     assert again.returncode == 0, again.stderr[-3000:]
     said = again.stdout + again.stderr
-    assert said.count("already done") == 7 and "rollouts" not in said  # collect, sft, base, sft eval, filter, grpo, final eval
+    assert (
+        said.count("already done") == 7 and "rollouts" not in said
+    )  # collect, sft, base, sft eval, filter, grpo, final eval
     assert json.loads((run / "summary.json").read_text())["rl"] == summary["rl"]
 
     # Another job with the same SFT settings (a sweep trial varying only GRPO) reuses the SFT instead of training
@@ -78,7 +89,9 @@ def test_pipeline_writes_the_base_sft_rl_table_and_resumes(rootfs, tmp_path):
         assert (run / name / "tasks.csv").is_file()
 
     # A setting that changes what an eval samples scores the rows anew.
-    hotter = _tbexp(*miniature, "sampling.temperature=1.0", "pipeline.stages=[collect,sft]", f"hydra.run.dir={tmp_path / 'hotter'}")
+    hotter = _tbexp(
+        *miniature, "sampling.temperature=1.0", "pipeline.stages=[collect,sft]", f"hydra.run.dir={tmp_path / 'hotter'}"
+    )
     assert hotter.returncode == 0, hotter.stderr[-3000:]
     said = hotter.stdout + hotter.stderr
     assert "row from the cache" not in said and "eval base:" in said and "eval sft:" in said
@@ -86,7 +99,14 @@ def test_pipeline_writes_the_base_sft_rl_table_and_resumes(rootfs, tmp_path):
 
 @pytest.mark.sandbox
 def test_eval_compares_candidates_and_gives_a_promotion_verdict(rootfs, tmp_path):
-    out = _tbexp("stage=eval", "tasks.limit=2", "eval.n_runs=1", "eval.candidates=[nop,oracle]", f"hydra.run.dir={tmp_path}", timeout=300)
+    out = _tbexp(
+        "stage=eval",
+        "tasks.limit=2",
+        "eval.n_runs=1",
+        "eval.candidates=[nop,oracle]",
+        f"hydra.run.dir={tmp_path}",
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["oracle"]["eval/strict_success"] == 1.0 and summary["nop"]["eval/strict_success"] == 0.0
@@ -95,7 +115,11 @@ def test_eval_compares_candidates_and_gives_a_promotion_verdict(rootfs, tmp_path
 
 
 def test_promotion_keeps_the_incumbent_unless_beaten_by_the_margin():
-    rows = {"base": {"eval/strict_success": 0.40}, "a": {"eval/strict_success": 0.42}, "b": {"eval/strict_success": 0.38}}
+    rows = {
+        "base": {"eval/strict_success": 0.40},
+        "a": {"eval/strict_success": 0.42},
+        "b": {"eval/strict_success": 0.38},
+    }
     assert promotion(rows, "eval/strict_success", 0.0)["chosen"] == "a"
     verdict = promotion(rows, "eval/strict_success", 0.05)
     assert verdict["chosen"] == "base" and not verdict["promoted"] and "KEEP base" in verdict["message"]

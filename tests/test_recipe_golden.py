@@ -77,7 +77,11 @@ def _flat(tree: dict | list, prefix: str = "") -> dict:
 def _steps(metrics: Path) -> list[dict]:
     """A training loop's per-step rows without the wall times (a step's numbers, not the machine's speed)."""
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    return [{k: v for k, v in r.items() if k != "time" and not k.startswith("time/")} for r in rows if "train/nll" in r or "rollout/reward_mean" in r]
+    return [
+        {k: v for k, v in r.items() if k != "time" and not k.startswith("time/")}
+        for r in rows
+        if "train/nll" in r or "rollout/reward_mean" in r
+    ]
 
 
 def _portable(numbers: dict, roots: dict[str, Path]) -> dict:
@@ -98,7 +102,11 @@ def test_the_default_recipe_gives_the_recorded_numbers(rootfs, tmp_path):
     command = [sys.executable, "-m", "tbexp", *SMALL, f"sandbox.rootfs={rootfs}", f"hydra.run.dir={run}"]
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=3300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    result = {"summary.json": json.loads((run / "summary.json").read_text()), "sft steps": _steps(run / "sft" / "metrics.jsonl"), "grpo steps": _steps(run / "grpo" / "metrics.jsonl")}
+    result = {
+        "summary.json": json.loads((run / "summary.json").read_text()),
+        "sft steps": _steps(run / "sft" / "metrics.jsonl"),
+        "grpo steps": _steps(run / "grpo" / "metrics.jsonl"),
+    }
     numbers = _portable(result, {"run": run, "cache": cache})
     if os.environ.get("TBEXP_RECORD_GOLDEN") == "1":
         GOLDEN.parent.mkdir(exist_ok=True)
@@ -106,7 +114,9 @@ def test_the_default_recipe_gives_the_recorded_numbers(rootfs, tmp_path):
         pytest.skip(f"recorded {GOLDEN}")
     assert GOLDEN.exists(), f"no recording: run with TBEXP_RECORD_GOLDEN=1 to write {GOLDEN}"
     got, want = _flat(numbers), _flat(json.loads(GOLDEN.read_text()))
-    assert sorted(got) == sorted(want), f"keys differ: missing {sorted(set(want) - set(got))}, new {sorted(set(got) - set(want))}"
+    assert sorted(got) == sorted(want), (
+        f"keys differ: missing {sorted(set(want) - set(got))}, new {sorted(set(got) - set(want))}"
+    )
     moved = {}
     for key, value in want.items():
         tolerance = TOLERANCES.get(key, 0.0)

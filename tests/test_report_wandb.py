@@ -20,8 +20,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.conftest import REPO
 from tbexp.study import FAIL_REASON_ATTR, JOB_DIR_ATTR, OBJECTIVE_ATTR, PRUNING_METRIC_ATTR
+from tests.conftest import REPO
 
 STUDY = "wb-demo"
 
@@ -40,14 +40,18 @@ def study(tmp_path):
         trial.suggest_categorical("model.lora_rank", [8, 16])
         job = tmp_path / "multirun" / STUDY / str(number)
         (job / ".hydra").mkdir(parents=True)
-        (job / ".hydra" / "config.yaml").write_text("logger:\n  name: wandb\n  project: sweeps\n  entity: ''\n  group: ''\n")
+        (job / ".hydra" / "config.yaml").write_text(
+            "logger:\n  name: wandb\n  project: sweeps\n  entity: ''\n  group: ''\n"
+        )
         trial.set_user_attr(JOB_DIR_ATTR, str(job))
         if number == 3:
             trial.set_user_attr(FAIL_REASON_ATTR, "the job raised")
             study.tell(trial, state=optuna.trial.TrialState.FAIL)
             continue
         # As GRPO logs its held-out evaluations; the final eval/reward comes once, so it makes no curve.
-        rows = [{"step": step, "heldout/reward": 0.1 * number + 0.01 * step} for step in (0, 5, 10)] + [{"step": 0, "eval/reward": 0.2 * number}]
+        rows = [{"step": step, "heldout/reward": 0.1 * number + 0.01 * step} for step in (0, 5, 10)] + [
+            {"step": 0, "eval/reward": 0.2 * number}
+        ]
         (job / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         study.tell(trial, 0.2 * number)
     return study
@@ -61,14 +65,29 @@ def test_the_report_holds_the_local_reports_content_over_the_studys_runs(study):
 
     report = build_report(study, top=2, project="sweeps", entity="me", group=STUDY)
     assert (report.title, report.project, report.entity) == (f"Sweep report: {STUDY}", "sweeps", "me")
-    assert [type(b).__name__ for b in report.blocks] == ["MarkdownBlock", "H2", "PanelGrid", "H2", "PanelGrid", "H2", "MarkdownBlock"]
+    assert [type(b).__name__ for b in report.blocks] == [
+        "MarkdownBlock",
+        "H2",
+        "PanelGrid",
+        "H2",
+        "PanelGrid",
+        "H2",
+        "MarkdownBlock",
+    ]
     summary, _, study_grid, _, best_grid, _, table = report.blocks
     assert "Objective: `eval/reward`, maximised" in summary.text and "**Best: trial 2**" in summary.text
-    assert table.text.startswith("| trial | state | value |") and "| 3 | FAIL |" in table.text and "the job raised" in table.text
+    assert (
+        table.text.startswith("| trial | state | value |")
+        and "| 3 | FAIL |" in table.text
+        and "the job raised" in table.text
+    )
 
     (runs,), (best,) = study_grid.runsets, best_grid.runsets
     assert _leaves(expr.expr_to_filters(runs.filters)) == [("=", "group", STUDY)]
-    assert _leaves(expr.expr_to_filters(best.filters)) == [("=", "group", STUDY), ("IN", "displayName", [f"{STUDY}/2", f"{STUDY}/1"])]
+    assert _leaves(expr.expr_to_filters(best.filters)) == [
+        ("=", "group", STUDY),
+        ("IN", "displayName", [f"{STUDY}/2", f"{STUDY}/1"]),
+    ]
     assert {(r.entity, r.project) for r in (runs, best)} == {("me", "sweeps")}
 
     panels = {type(p).__name__: p for p in study_grid.panels}
@@ -97,10 +116,27 @@ def test_the_command_saves_the_report_and_prints_its_url(study, tmp_path, monkey
         report.id = "abc123"
         return report
 
-    monkeypatch.setattr(wandb, "Api", lambda **_: SimpleNamespace(default_entity="me", _service_api=SimpleNamespace(app_url="https://wandb.example")))
+    monkeypatch.setattr(
+        wandb,
+        "Api",
+        lambda **_: SimpleNamespace(default_entity="me", _service_api=SimpleNamespace(app_url="https://wandb.example")),
+    )
     monkeypatch.setattr(wr.Report, "save", save)
     monkeypatch.delenv("WANDB_ENTITY", raising=False)
-    assert main(["--storage", f"sqlite:///{tmp_path}/optuna.db", "--study", STUDY, "--out", str(tmp_path / "report"), "--wandb"]) == 0
+    assert (
+        main(
+            [
+                "--storage",
+                f"sqlite:///{tmp_path}/optuna.db",
+                "--study",
+                STUDY,
+                "--out",
+                str(tmp_path / "report"),
+                "--wandb",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert f"report: {tmp_path / 'report' / 'report.md'}" in out
     assert f"W&B report: https://wandb.example/me/sweeps/reports/Sweep-report:-{STUDY}--abc123" in out
@@ -109,18 +145,34 @@ def test_the_command_saves_the_report_and_prints_its_url(study, tmp_path, monkey
 
 
 def test_without_an_api_key_it_says_what_to_set_and_keeps_the_local_report(tmp_path, study):
-    done = _report(tmp_path, NETRC=str(tmp_path / "no-netrc"), WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"), WANDB_MODE="online")
+    done = _report(
+        tmp_path, NETRC=str(tmp_path / "no-netrc"), WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"), WANDB_MODE="online"
+    )
     assert done.returncode == 1 and "Traceback" not in done.stderr
-    assert done.stderr.strip().splitlines()[-1] == f"tbexp.report: no W&B report ({tmp_path / 'report' / 'report.md'} is written): no W&B API key: set WANDB_API_KEY (or run `wandb login`)"
+    assert (
+        done.stderr.strip().splitlines()[-1]
+        == f"tbexp.report: no W&B report ({tmp_path / 'report' / 'report.md'} is written): no W&B API key: set WANDB_API_KEY (or run `wandb login`)"
+    )
     assert "**Best: trial 2**" in (tmp_path / "report" / "report.md").read_text()
 
 
 def test_without_the_network_it_says_so_in_one_line(tmp_path, study):
     # Port 9 of 127.0.0.1 is closed: a server that does not answer, found without waiting W&B's default 19 s.
-    done = _report(tmp_path, "--wandb-project", "sweeps", WANDB_API_KEY="0" * 40, WANDB_BASE_URL="http://127.0.0.1:9", WANDB_HTTP_TIMEOUT="3")
+    done = _report(
+        tmp_path,
+        "--wandb-project",
+        "sweeps",
+        WANDB_API_KEY="0" * 40,
+        WANDB_BASE_URL="http://127.0.0.1:9",
+        WANDB_HTTP_TIMEOUT="3",
+    )
     assert done.returncode == 1 and "Traceback" not in done.stderr
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("tbexp.report: no W&B report (") and "could not log in to W&B (" in last and last.endswith("check the network, WANDB_BASE_URL and WANDB_API_KEY")
+    assert (
+        last.startswith("tbexp.report: no W&B report (")
+        and "could not log in to W&B (" in last
+        and last.endswith("check the network, WANDB_BASE_URL and WANDB_API_KEY")
+    )
     assert (tmp_path / "report" / "report.md").is_file()
 
 
@@ -151,9 +203,22 @@ def test_best_trials_are_found_by_the_run_name_tracking_gives_their_jobs(tmp_pat
 
 def _report(tmp_path, *args, **env):
     """The command a user types, with no W&B settings but `env`, and a home of its own (no ~/.netrc key)."""
-    command = [sys.executable, "-m", "tbexp.report", "--storage", f"sqlite:///{tmp_path}/optuna.db", "--study", STUDY, "--out", str(tmp_path / "report"), *args]
+    command = [
+        sys.executable,
+        "-m",
+        "tbexp.report",
+        "--storage",
+        f"sqlite:///{tmp_path}/optuna.db",
+        "--study",
+        STUDY,
+        "--out",
+        str(tmp_path / "report"),
+        *args,
+    ]
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}, "HOME": str(tmp_path), **env}
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL
+    )
 
 
 def _leaves(tree) -> list[tuple]:

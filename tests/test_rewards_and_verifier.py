@@ -28,7 +28,12 @@ def test_skipped_tests_do_not_count():
 def test_efficiency_bonus_goes_to_faster_successes_only():
     # successes took 2, 3 and 6 turns: bonus 1, 0.75, 0; the failure gets none.
     scores = per_test_efficiency([FULL, FULL, FULL, TWO_OF_THREE], [2, 3, 6, 1])
-    assert scores == [pytest.approx(1.0), pytest.approx(0.8 + 0.2 * 0.75), pytest.approx(0.8), pytest.approx(0.8 * 2 / 3)]
+    assert scores == [
+        pytest.approx(1.0),
+        pytest.approx(0.8 + 0.2 * 0.75),
+        pytest.approx(0.8),
+        pytest.approx(0.8 * 2 / 3),
+    ]
 
 
 def test_efficiency_weights_are_configurable_and_equal_turns_share_the_bonus():
@@ -53,13 +58,23 @@ def test_reads_junit(tmp_path):
     (tmp_path / "junit.xml").write_text(JUNIT)
     (tmp_path / "reward.txt").write_text("0\n")
     report = read_results(tmp_path)
-    assert report.tests == {"test_outputs::test_a": PASSED, "test_outputs::test_b": FAILED, "test_outputs::test_c": SKIPPED, "test_outputs::test_d": FAILED}
+    assert report.tests == {
+        "test_outputs::test_a": PASSED,
+        "test_outputs::test_b": FAILED,
+        "test_outputs::test_c": SKIPPED,
+        "test_outputs::test_d": FAILED,
+    }
     assert (report.n_passed, report.n_total, report.strict) == (1, 3, False)
     assert report.rewards == {"reward": 0.0}
 
 
 def test_ctrf_wins_over_junit(tmp_path):
-    ctrf = {"results": {"summary": {"tests": 2}, "tests": [{"name": "t1", "status": "passed"}, {"name": "t2", "status": "passed"}]}}
+    ctrf = {
+        "results": {
+            "summary": {"tests": 2},
+            "tests": [{"name": "t1", "status": "passed"}, {"name": "t2", "status": "passed"}],
+        }
+    }
     (tmp_path / "ctrf.json").write_text(json.dumps(ctrf))
     (tmp_path / "junit.xml").write_text(JUNIT)
     report = read_results(tmp_path)
@@ -72,7 +87,10 @@ def test_reward_json_without_tests_is_the_fraction(tmp_path):
     assert report.fraction_passed == 0.25 and not report.strict and report.rewards["speed"] == 3.0
 
 
-@pytest.mark.parametrize("name,content", [("reward.txt", "lots"), ("reward.txt", "nan"), ("reward.json", '{"reward": "high"}'), ("reward.json", "[1]")])
+@pytest.mark.parametrize(
+    "name,content",
+    [("reward.txt", "lots"), ("reward.txt", "nan"), ("reward.json", '{"reward": "high"}'), ("reward.json", "[1]")],
+)
 def test_bad_reward_files_are_verifier_errors(tmp_path, name, content):
     (tmp_path / name).write_text(content)
     with pytest.raises(VerifierError, match=name):
@@ -92,7 +110,10 @@ def test_every_named_reward_is_kept_and_the_reward_chooses_which_it_reads(tmp_pa
     assert per_test([report], [1]) == [0.0]  # the default reads `reward`, as before
     assert score_group(SimpleNamespace(name="per_test", task_reward="quality"), [report], [1]) == [0.75]
     assert score_group(SimpleNamespace(name="binary", task_reward="quality"), [report], [1]) == [0.0]
-    assert score_group(SimpleNamespace(name="task_reward", task_reward="speed"), [report, TestReport()], [1, 1]) == [2.0, 0.0]
+    assert score_group(SimpleNamespace(name="task_reward", task_reward="speed"), [report, TestReport()], [1, 1]) == [
+        2.0,
+        0.0,
+    ]
     with_tests = TestReport({"a": PASSED, "b": FAILED}, {"reward": 0.0, "quality": 0.9})
     assert score_group(SimpleNamespace(name="per_test", task_reward="quality"), [with_tests], [1]) == [0.5]  # tests win
     assert score_group(SimpleNamespace(name="task_reward", task_reward="quality"), [with_tests], [1]) == [0.9]
@@ -111,7 +132,11 @@ def test_pytest_tasks_are_told_from_reward_file_tasks(tmp_path):
     assert runs_pytest(load_task(make_task(tmp_path, "pytest-files")))
     plain = make_task(tmp_path, "reward-file")
     (plain / "tests" / "test_outputs.py").unlink()
-    (plain / "tests" / "test.sh").write_text("#!/bin/bash\ngrep -q done /app/out.txt && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n")
+    (plain / "tests" / "test.sh").write_text(
+        "#!/bin/bash\ngrep -q done /app/out.txt && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n"
+    )
     assert not runs_pytest(load_task(plain))
-    (plain / "tests" / "test.sh").write_text("#!/bin/bash\ncd /tests && uvx pytest --ctrf /logs/verifier/ctrf.json check.py\n")
+    (plain / "tests" / "test.sh").write_text(
+        "#!/bin/bash\ncd /tests && uvx pytest --ctrf /logs/verifier/ctrf.json check.py\n"
+    )
     assert runs_pytest(load_task(plain))  # test.sh calls pytest on a file not named test_*.py

@@ -17,7 +17,17 @@ pytestmark = pytest.mark.slow
 def _sft(run_dir, monkeypatch, data, *overrides):
     run_dir.mkdir(parents=True, exist_ok=True)
     monkeypatch.chdir(run_dir)
-    return sft_stage.run(compose_job("stage=sft", f"sft.data={data}", "sft.batch_size=4", "sft.eval_every=3", "sft.warmup_steps=1", "sft.patience=0", *overrides))
+    return sft_stage.run(
+        compose_job(
+            "stage=sft",
+            f"sft.data={data}",
+            "sft.batch_size=4",
+            "sft.eval_every=3",
+            "sft.warmup_steps=1",
+            "sft.patience=0",
+            *overrides,
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -84,15 +94,33 @@ def test_overlong_conversations_are_counted(gold, tmp_path, monkeypatch):
     cut = f"sft.max_length_tokens={lengths[len(lengths) // 2]}"  # about half the conversations are longer
     metrics = _sft(tmp_path, monkeypatch, gold, "sft.steps=1", "sft.val_fraction=0.5", cut)
     assert metrics["sft/dropped_overlong"] > 0
-    metrics = _sft(tmp_path / "t", monkeypatch, gold, "sft.steps=1", "sft.val_fraction=0.5", cut, "sft.overlong=truncate")
+    metrics = _sft(
+        tmp_path / "t", monkeypatch, gold, "sft.steps=1", "sft.val_fraction=0.5", cut, "sft.overlong=truncate"
+    )
     assert metrics["sft/truncated_overlong"] > 0 and metrics["sft/dropped_overlong"] == 0
 
 
-@pytest.mark.parametrize("content,needle", [('{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "ls"}]}\nnot json\n', ":2: not JSON"), ("", "empty"), ('{"prompt": "x"}\n', ":1: a raw-command row needs")])
+@pytest.mark.parametrize(
+    "content,needle",
+    [
+        (
+            '{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "ls"}]}\nnot json\n',
+            ":2: not JSON",
+        ),
+        ("", "empty"),
+        ('{"prompt": "x"}\n', ":1: a raw-command row needs"),
+    ],
+)
 def test_bad_data_file_is_refused_with_the_line(tmp_path, content, needle):
     data = tmp_path / "bad.jsonl"
     data.write_text(content)
-    out = subprocess.run([sys.executable, "-m", "tbexp", "stage=sft", f"sft.data={data}", f"hydra.run.dir={tmp_path}/run"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "tbexp", "stage=sft", f"sft.data={data}", f"hydra.run.dir={tmp_path}/run"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 2 and needle in out.stderr and str(data) in out.stderr
 
 
@@ -100,7 +128,9 @@ def test_held_out_rows_only_recombine_words_seen_in_training():
     def conv(cmd):
         return [{"role": "user", "content": "do it"}, {"role": "assistant", "content": cmd}]
 
-    rows = [conv(f"cat /app/{a}/{b}.txt") for a in ("logs", "data", "feeds") for b in ("x", "y", "z")] + [conv("ls /app/unique_name")]
+    rows = [conv(f"cat /app/{a}/{b}.txt") for a in ("logs", "data", "feeds") for b in ("x", "y", "z")] + [
+        conv("ls /app/unique_name")
+    ]
     train, val = sft_stage._split(rows, 0.3, seed=0)
     train_words = {w for c in train for w in c[1]["content"].replace("/", " ").replace(".", " ").split()}
     assert len(val) == 3 and conv("ls /app/unique_name") in train

@@ -34,7 +34,9 @@ def test_sweep_file_starts_with_its_command_and_is_global(name):
 
 @pytest.mark.parametrize("name", SWEEPS)
 def test_every_sweep_composes_with_a_valid_space_over_real_keys(name):
-    experiment = [f"+experiment={e}" for e in ("grpo",) if name.startswith(e) and (CONF / "experiment" / f"{e}.yaml").exists()]
+    experiment = [
+        f"+experiment={e}" for e in ("grpo",) if name.startswith(e) and (CONF / "experiment" / f"{e}.yaml").exists()
+    ]
     cfg = compose_with_hydra(*experiment, f"+sweep={name}")
     sweeper = cfg.hydra.sweeper
     assert sweeper._target_.endswith("TbexpOptunaSweeper") and sweeper.study_name == name
@@ -49,7 +51,13 @@ def test_every_sweep_composes_with_a_valid_space_over_real_keys(name):
 def test_grpo_sweep_samples_the_upper_solve_rate_bound_above_the_lower():
     space = SearchSpace(compose_with_hydra("+sweep=grpo_optuna").hydra.sweeper.params)
     assert space.params["task_filter.upper"].above == "task_filter.lower"
-    assert {"grpo.learning_rate", "model.lora_rank", "grpo.group_size", "task_filter.lower", "task_filter.upper"} == set(space.params)
+    assert {
+        "grpo.learning_rate",
+        "model.lora_rank",
+        "grpo.group_size",
+        "task_filter.lower",
+        "task_filter.upper",
+    } == set(space.params)
 
 
 def test_grpo_sweep_prunes_at_the_rungs_and_never_at_the_last_eval_of_the_default_pipeline():
@@ -91,7 +99,12 @@ def test_successive_halving_is_built_from_its_fields_and_a_misspelt_pruner_is_na
 def test_smoke_sweep_prunes_on_sft_held_out_nll_and_maximises_held_out_reward():
     cfg = compose_with_hydra("+sweep=smoke")
     s = cfg.hydra.sweeper
-    assert (s.objective.metric, s.objective.direction, s.pruner.name, s.pruner.metric) == ("eval/reward", "maximize", "median", "eval/nll")
+    assert (s.objective.metric, s.objective.direction, s.pruner.name, s.pruner.metric) == (
+        "eval/reward",
+        "maximize",
+        "median",
+        "eval/nll",
+    )
     assert cfg.stage.name == "sft" and cfg.sft.eval_after and cfg.sft.eval_every < cfg.sft.steps
 
 

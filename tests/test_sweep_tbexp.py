@@ -17,7 +17,15 @@ from tests.conftest import REPO
 
 
 def tbexp_sweep(tmp_path, storage: str, *overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "tbexp", "-m", *overrides, f"hydra.sweep.dir={tmp_path}/multirun", f"hydra.sweeper.storage='{storage}'"]
+    command = [
+        sys.executable,
+        "-m",
+        "tbexp",
+        "-m",
+        *overrides,
+        f"hydra.sweep.dir={tmp_path}/multirun",
+        f"hydra.sweeper.storage='{storage}'",
+    ]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     return done
@@ -26,7 +34,8 @@ def tbexp_sweep(tmp_path, storage: str, *overrides: str, timeout: int = 600) -> 
 def test_oracle_eval_study_through_a_sweep_file_on_the_search_path(tmp_path, rootfs):
     """A sweep file outside sweeps/ (hydra.searchpath), over a harmless key; every trial scores the oracle."""
     (tmp_path / "extra" / "sweep").mkdir(parents=True)
-    (tmp_path / "extra" / "sweep" / "oracle_eval.yaml").write_text(textwrap.dedent("""\
+    (tmp_path / "extra" / "sweep" / "oracle_eval.yaml").write_text(
+        textwrap.dedent("""\
         # @package _global_
         # python -m tbexp -m hydra.searchpath=[file://DIR] +sweep=oracle_eval
         defaults:
@@ -43,7 +52,8 @@ def test_oracle_eval_study_through_a_sweep_file_on_the_search_path(tmp_path, roo
             sampler: {name: grid}
             params:
               eval.concurrency: {type: categorical, choices: [1, 2]}
-        """))
+        """)
+    )
     storage = str(tmp_path / "studies.journal")
     tbexp_sweep(tmp_path, storage, f"hydra.searchpath=[file://{tmp_path}/extra]", "+sweep=oracle_eval")
     trials = optuna.load_study(study_name="oracle_eval", storage=open_storage(storage)).trials
@@ -51,7 +61,12 @@ def test_oracle_eval_study_through_a_sweep_file_on_the_search_path(tmp_path, roo
     assert sorted(t.params["eval.concurrency"] for t in trials) == [1, 2]
     for t in trials:
         job = OmegaConf.load(f"{t.user_attrs[JOB_DIR_ATTR]}/.hydra/config.yaml")
-        assert (job.trial.number, job.trial.study, job.trial.storage, job.eval.concurrency) == (t.number, "oracle_eval", storage, t.params["eval.concurrency"])
+        assert (job.trial.number, job.trial.study, job.trial.storage, job.eval.concurrency) == (
+            t.number,
+            "oracle_eval",
+            storage,
+            t.params["eval.concurrency"],
+        )
 
 
 @pytest.mark.slow
@@ -66,7 +81,15 @@ def test_smoke_sweep_end_to_end_with_report(tmp_path, rootfs):
         assert t.intermediate_values and all(v < 0 for v in t.intermediate_values.values())  # -NLL in a maximised study
         if t.state == TrialState.COMPLETE:
             assert 0.0 <= t.value <= 1.0 and math.isfinite(t.value)
-    report = subprocess.run([sys.executable, "-m", "tbexp.report", f"{tmp_path}/multirun"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    report = subprocess.run(
+        [sys.executable, "-m", "tbexp.report", f"{tmp_path}/multirun"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert report.returncode == 0, report.stderr
     report_md = (tmp_path / "multirun" / "report" / "report.md").read_text()
-    assert "](curves.png)" in report_md and "](history.png)" in report_md  # SFT's eval/nll over steps, from metrics.jsonl
+    assert (
+        "](curves.png)" in report_md and "](history.png)" in report_md
+    )  # SFT's eval/nll over steps, from metrics.jsonl

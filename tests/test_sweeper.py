@@ -29,10 +29,26 @@ from tests.postgres_service import postgres_url  # noqa: F401
 APP = "tests.sweep_app.app"
 
 
-def sweep(tmp_path: Path, *overrides: str, storage: str | None = None, config_name: str = "", timeout: int = 300, check: bool = True, script: bool = False) -> subprocess.CompletedProcess:
+def sweep(
+    tmp_path: Path,
+    *overrides: str,
+    storage: str | None = None,
+    config_name: str = "",
+    timeout: int = 300,
+    check: bool = True,
+    script: bool = False,
+) -> subprocess.CompletedProcess:
     storage = storage or f"sqlite:///{tmp_path}/optuna.db"
     entry = [str(REPO / "tests" / "sweep_app" / "app.py")] if script else ["-m", APP]
-    command = [sys.executable, *entry, *(["--config-name", config_name] if config_name else []), "-m", f"hydra.sweep.dir={tmp_path}/multirun", f"hydra.sweeper.storage='{storage}'", *overrides]
+    command = [
+        sys.executable,
+        *entry,
+        *(["--config-name", config_name] if config_name else []),
+        "-m",
+        f"hydra.sweep.dir={tmp_path}/multirun",
+        f"hydra.sweeper.storage='{storage}'",
+        *overrides,
+    ]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     if check:
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
@@ -71,13 +87,22 @@ def ran_once_each(tmp_path: Path, trials) -> None:
 
 
 def check_two_at_a_time(tmp_path: Path, storage: str, name: str = "app") -> optuna.Study:
-    sweep(tmp_path, "hydra.sweeper.n_trials=4", "steps=2", "sleep_s=0.5", f"hydra.sweeper.study_name={name}", storage=storage)
+    sweep(
+        tmp_path,
+        "hydra.sweeper.n_trials=4",
+        "steps=2",
+        "sleep_s=0.5",
+        f"hydra.sweeper.study_name={name}",
+        storage=storage,
+    )
     study = load(storage, name)
     assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 4
     assert overlapped(study.trials), "n_jobs=2 should run two trials at once"
     assert all(len(t.intermediate_values) == 2 for t in study.trials)  # the jobs reported through the storage
     ran_once_each(tmp_path, study.trials)
-    assert (tmp_path / "multirun" / "optimization_results.yaml").exists() and (tmp_path / "multirun" / "study.yaml").exists()
+    assert (tmp_path / "multirun" / "optimization_results.yaml").exists() and (
+        tmp_path / "multirun" / "study.yaml"
+    ).exists()
     return study
 
 
@@ -97,11 +122,21 @@ def test_a_new_trial_starts_as_soon_as_one_ends(tmp_path):
     sweep(tmp_path, "hydra.sweeper.n_trials=4", "slow_on=[0]", "slow_s=15")
     trials = load(f"sqlite:///{tmp_path}/optuna.db").trials
     assert all(t.state == TrialState.COMPLETE for t in trials)
-    assert max(t.datetime_complete for t in trials[1:]) < trials[0].datetime_complete, "trials 1-3 should not wait for the slow trial 0"
+    assert max(t.datetime_complete for t in trials[1:]) < trials[0].datetime_complete, (
+        "trials 1-3 should not wait for the slow trial 0"
+    )
 
 
 def test_failed_nan_killed_and_timed_out_trials_fail_and_the_sweep_goes_on(tmp_path):
-    done = sweep(tmp_path, "hydra.sweeper.n_trials=5", "raise_on=[0]", "nan_on=[1]", "kill_on=[2]", "hang_on=[3]", "hydra.sweeper.trial_timeout_s=5")
+    done = sweep(
+        tmp_path,
+        "hydra.sweeper.n_trials=5",
+        "raise_on=[0]",
+        "nan_on=[1]",
+        "kill_on=[2]",
+        "hang_on=[3]",
+        "hydra.sweeper.trial_timeout_s=5",
+    )
     trials = load(f"sqlite:///{tmp_path}/optuna.db").trials
     assert [t.state for t in trials] == [TrialState.FAIL] * 4 + [TrialState.COMPLETE]
     reasons = [t.user_attrs[FAIL_REASON_ATTR] for t in trials[:4]]
@@ -115,7 +150,13 @@ def test_failed_nan_killed_and_timed_out_trials_fail_and_the_sweep_goes_on(tmp_p
 
 
 def test_median_pruning_ends_jobs_early(tmp_path):
-    sweep(tmp_path, "hydra.sweeper.n_trials=8", "steps=4", "hydra.sweeper.pruner.name=median", "hydra.sweeper.pruner.n_startup_trials=2")
+    sweep(
+        tmp_path,
+        "hydra.sweeper.n_trials=8",
+        "steps=4",
+        "hydra.sweeper.pruner.name=median",
+        "hydra.sweeper.pruner.n_startup_trials=2",
+    )
     trials = load(f"sqlite:///{tmp_path}/optuna.db").trials
     pruned = [t for t in trials if t.state == TrialState.PRUNED]
     assert pruned and not [t for t in trials if t.state == TrialState.FAIL]
@@ -126,7 +167,15 @@ def test_median_pruning_ends_jobs_early(tmp_path):
 
 def test_hyperband_pruner_is_rebuilt_in_the_jobs(tmp_path):
     storage = str(tmp_path / "studies.journal")
-    sweep(tmp_path, "hydra.sweeper.n_trials=8", "steps=4", "hydra.sweeper.pruner.name=hyperband", "hydra.sweeper.pruner.max_resource=4", "hydra.sweeper.pruner.reduction_factor=2", storage=storage)
+    sweep(
+        tmp_path,
+        "hydra.sweeper.n_trials=8",
+        "steps=4",
+        "hydra.sweeper.pruner.name=hyperband",
+        "hydra.sweeper.pruner.max_resource=4",
+        "hydra.sweeper.pruner.reduction_factor=2",
+        storage=storage,
+    )
     study = load(storage)
     assert study.user_attrs["tbexp:pruner"]["name"] == "hyperband"
     assert all(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in study.trials)
@@ -142,12 +191,31 @@ def test_hyperband_pruner_is_rebuilt_in_the_jobs(tmp_path):
 def test_killed_sweeper_resumes_without_losing_or_repeating_trials(tmp_path):
     storage = f"sqlite:///{tmp_path}/optuna.db"
     args = ["hydra.sweeper.n_trials=6", "steps=3", "sleep_s=1"]
-    first = subprocess.Popen([sys.executable, "-m", APP, "-m", f"hydra.sweep.dir={tmp_path}/multirun", f"hydra.sweeper.storage='{storage}'", *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            APP,
+            "-m",
+            f"hydra.sweep.dir={tmp_path}/multirun",
+            f"hydra.sweeper.storage='{storage}'",
+            *args,
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.monotonic() + 120
     while not (tmp_path / "multirun" / "2" / "ran.txt").exists():  # trials 0 and 1 done or nearly, 2 running
-        assert first.poll() is None and time.monotonic() < deadline, first.stdout.read() if first.poll() is not None else "timed out"
+        assert first.poll() is None and time.monotonic() < deadline, (
+            first.stdout.read() if first.poll() is not None else "timed out"
+        )
         time.sleep(0.2)
-    jobs = [int(pid) for pid in subprocess.run(["pgrep", "-P", str(first.pid)], capture_output=True, text=True).stdout.split()]
+    jobs = [
+        int(pid)
+        for pid in subprocess.run(["pgrep", "-P", str(first.pid)], capture_output=True, text=True).stdout.split()
+    ]
     first.send_signal(signal.SIGKILL)
     first.wait()
     before = load(storage).trials
@@ -169,7 +237,9 @@ def test_killed_sweeper_resumes_without_losing_or_repeating_trials(tmp_path):
     ran_once_each(tmp_path, [t for t in trials if t.number not in {i.number for i in interrupted}])
     job_dirs = {t.number: int(Path(t.user_attrs[JOB_DIR_ATTR]).name) for t in trials if JOB_DIR_ATTR in t.user_attrs}
     assert all(number == job for number, job in job_dirs.items()), "job numbering continues after the study's trials"
-    assert all(t.number in job_dirs for t in trials if t not in interrupted)  # none only where the kill came before the job's directory was known
+    assert all(
+        t.number in job_dirs for t in trials if t not in interrupted
+    )  # none only where the kill came before the job's directory was known
     assert "orphaned, re-queued" in done.stdout + done.stderr
 
 
@@ -210,7 +280,13 @@ def test_a_config_that_does_not_compose_stops_the_sweep_without_spending_budget(
 
 def test_report_from_local_data(tmp_path):
     sweep(tmp_path, "hydra.sweeper.n_trials=5", "steps=3", "nan_on=[4]")
-    done = subprocess.run([sys.executable, "-m", "tbexp.report", str(tmp_path / "multirun")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "tbexp.report", str(tmp_path / "multirun")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     out = tmp_path / "multirun" / "report"
     text = (out / "report.md").read_text()
@@ -226,7 +302,9 @@ def test_report_curves_find_a_pipeline_jobs_steps_in_its_stage_folder(tmp_path):
 
     (tmp_path / "grpo").mkdir()
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0, "rl/eval/reward": 0.5}) + "\n")
-    (tmp_path / "grpo" / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "heldout/reward": r}) + "\n" for s, r in ((0, 0.4), (4, 0.5), (8, 0.45))))
+    (tmp_path / "grpo" / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "heldout/reward": r}) + "\n" for s, r in ((0, 0.4), (4, 0.5), (8, 0.45)))
+    )
     (tmp_path / "sft").mkdir()
     (tmp_path / "sft" / "metrics.jsonl").write_text(json.dumps({"step": 3, "heldout/reward": 0.1}) + "\n")
     assert metric_series(str(tmp_path), "heldout/reward") == [(0, 0.4), (4, 0.5), (8, 0.45)]
@@ -234,9 +312,20 @@ def test_report_curves_find_a_pipeline_jobs_steps_in_its_stage_folder(tmp_path):
     assert metric_series(str(tmp_path), "eval/nll") == [] and metric_series("", "heldout/reward") == []
 
 
-@pytest.mark.skipif(not os.path.isdir(Path(optuna.__file__).parents[1] / "hydra_plugins" / "hydra_submitit_launcher"), reason="hydra-submitit-launcher is not installed")
+@pytest.mark.skipif(
+    not os.path.isdir(Path(optuna.__file__).parents[1] / "hydra_plugins" / "hydra_submitit_launcher"),
+    reason="hydra-submitit-launcher is not installed",
+)
 def test_submitit_local_launcher_runs_trials_side_by_side(tmp_path):
-    sweep(tmp_path, "hydra/launcher=submitit_local", "hydra.sweeper.n_trials=3", "steps=2", "sleep_s=1", "hydra.sweeper.pruner.name=median", "hydra.sweeper.pruner.n_startup_trials=5")
+    sweep(
+        tmp_path,
+        "hydra/launcher=submitit_local",
+        "hydra.sweeper.n_trials=3",
+        "steps=2",
+        "sleep_s=1",
+        "hydra.sweeper.pruner.name=median",
+        "hydra.sweeper.pruner.n_startup_trials=5",
+    )
     trials = load(f"sqlite:///{tmp_path}/optuna.db").trials
     assert [t.state for t in trials] == [TrialState.COMPLETE] * 3
     assert overlapped(trials) and all(len(t.intermediate_values) == 2 for t in trials)

@@ -23,12 +23,22 @@ from tests.test_sweeper import APP, gone, load, sweep
 
 def test_forked_jobs_die_with_a_killed_sweeper(tmp_path):
     storage = f"sqlite:///{tmp_path}/optuna.db"
-    command = [sys.executable, "-m", APP, "-m", f"hydra.sweep.dir={tmp_path}/multirun", f"hydra.sweeper.storage='{storage}'", "hang_on=[0,1]"]
+    command = [
+        sys.executable,
+        "-m",
+        APP,
+        "-m",
+        f"hydra.sweep.dir={tmp_path}/multirun",
+        f"hydra.sweeper.storage='{storage}'",
+        "hang_on=[0,1]",
+    ]
     sweeper = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     ran = [tmp_path / "multirun" / str(n) / "ran.txt" for n in (0, 1)]
     deadline = time.monotonic() + 120
     while not all(path.exists() and path.read_text().strip() for path in ran):
-        assert sweeper.poll() is None and time.monotonic() < deadline, sweeper.stdout.read() if sweeper.poll() is not None else "timed out"
+        assert sweeper.poll() is None and time.monotonic() < deadline, (
+            sweeper.stdout.read() if sweeper.poll() is not None else "timed out"
+        )
         time.sleep(0.2)
     jobs = [int(path.read_text().split()[1]) for path in ran]
     servers = {parent_of(job) for job in jobs}
@@ -36,12 +46,22 @@ def test_forked_jobs_die_with_a_killed_sweeper(tmp_path):
     assert parent_of(servers.pop()) == sweeper.pid
     sweeper.send_signal(signal.SIGKILL)
     sweeper.wait()
-    assert all(gone(job) for job in jobs), "the jobs must die with their sweeper (the fork server quits, PR_SET_PDEATHSIG)"
+    assert all(gone(job) for job in jobs), (
+        "the jobs must die with their sweeper (the fork server quits, PR_SET_PDEATHSIG)"
+    )
     assert all(t.state == TrialState.RUNNING for t in load(storage).trials)
 
 
 def test_an_app_the_fork_server_cannot_import_gets_spawned_jobs(tmp_path):
-    command = [sys.executable, "-m", "tests.unforkable_app", "-m", f"hydra.sweep.dir={tmp_path}/multirun", f"hydra.sweeper.storage='sqlite:///{tmp_path}/optuna.db'", "hydra.sweeper.n_trials=3"]
+    command = [
+        sys.executable,
+        "-m",
+        "tests.unforkable_app",
+        "-m",
+        f"hydra.sweep.dir={tmp_path}/multirun",
+        f"hydra.sweeper.storage='sqlite:///{tmp_path}/optuna.db'",
+        "hydra.sweeper.n_trials=3",
+    ]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     assert "refuses to be imported by a fork server" in done.stderr and "spawning each job instead" in done.stdout

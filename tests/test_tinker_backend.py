@@ -35,8 +35,17 @@ class StandInTraining:
 
     def forward_backward(self, data, loss_fn, loss_fn_config=None):
         self.log.append(f"submit forward_backward {loss_fn}")
-        outputs = [{"logprobs": types.TensorData.from_numpy(np.array([-0.5] * len(d.loss_fn_inputs["target_tokens"].tolist()), dtype="float32"))} for d in data]
-        return StandInFuture(self.log, "forward_backward", SimpleNamespace(metrics={"loss:sum": 1.5}, loss_fn_outputs=outputs))
+        outputs = [
+            {
+                "logprobs": types.TensorData.from_numpy(
+                    np.array([-0.5] * len(d.loss_fn_inputs["target_tokens"].tolist()), dtype="float32")
+                )
+            }
+            for d in data
+        ]
+        return StandInFuture(
+            self.log, "forward_backward", SimpleNamespace(metrics={"loss:sum": 1.5}, loss_fn_outputs=outputs)
+        )
 
     def optim_step(self, adam):
         self.log.append(f"submit optim_step lr={adam.learning_rate}")
@@ -47,7 +56,9 @@ class StandInTraining:
 
     def save_weights_for_sampler(self, name):
         self.log.append(f"save_weights_for_sampler {name}")
-        return StandInFuture(self.log, "save_weights_for_sampler", SimpleNamespace(path=f"tinker://run-1/sampler_weights/{name}"))
+        return StandInFuture(
+            self.log, "save_weights_for_sampler", SimpleNamespace(path=f"tinker://run-1/sampler_weights/{name}")
+        )
 
     def load_state_with_optimizer(self, path):
         self.log.append(f"load {path}")
@@ -55,7 +66,11 @@ class StandInTraining:
 
     def save_weights_and_get_sampling_client(self):
         sequence = SimpleNamespace(tokens=[5, 6], logprobs=[-0.1, -0.2], stop_reason="stop")
-        client = SimpleNamespace(sample=lambda prompt, num_samples, sampling_params: StandInFuture(self.log, "sample", SimpleNamespace(sequences=[sequence] * num_samples)))
+        client = SimpleNamespace(
+            sample=lambda prompt, num_samples, sampling_params: StandInFuture(
+                self.log, "sample", SimpleNamespace(sequences=[sequence] * num_samples)
+            )
+        )
         return StandInFuture(self.log, "sampling_client", client)
 
 
@@ -77,7 +92,10 @@ class StandInService:
 
 
 def _datum(n=3):
-    return types.Datum(model_input=types.ModelInput.from_ints(list(range(n))), loss_fn_inputs={"target_tokens": list(range(1, n + 1)), "weights": [0.0] + [1.0] * (n - 1)})
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(list(range(n))),
+        loss_fn_inputs={"target_tokens": list(range(1, n + 1)), "weights": [0.0] + [1.0] * (n - 1)},
+    )
 
 
 def test_missing_api_key_stops_at_once_saying_what_to_set(monkeypatch):
@@ -91,7 +109,10 @@ def test_calls_are_pipelined_and_mapped():
     backend = TinkerBackend("Qwen/Qwen3-8B", lora_rank=32, service_client=service)
     fb = backend.forward_backward([_datum(), _datum(4)], "cross_entropy")
     step = backend.optim_step(types.AdamParams(learning_rate=2e-5))
-    assert service.log[-2:] == ["submit forward_backward cross_entropy", "submit optim_step lr=2e-05"]  # nothing waited yet
+    assert service.log[-2:] == [
+        "submit forward_backward cross_entropy",
+        "submit optim_step lr=2e-05",
+    ]  # nothing waited yet
     result = fb.result()
     assert result.loss == 1.5 and result.n_tokens == 5.0 and result.logprobs[1] == [-0.5] * 4
     assert step.result() == {"optim/grad_norm": 0.1}
@@ -121,13 +142,17 @@ def test_a_checkpoint_saves_sampler_weights_beside_its_state_and_samples_without
     import tbexp.backends.tinker_backend as tinker_backend
 
     monkeypatch.setattr(tinker_backend, "_connect", lambda base_url: service)
-    models = Job(compose_config("backend=tinker", "model.lora_rank=8", "model.logit_scale=false", "model.name=Qwen/Qwen3-8B")).models
+    models = Job(
+        compose_config("backend=tinker", "model.lora_rank=8", "model.logit_scale=false", "model.name=Qwen/Qwen3-8B")
+    ).models
     before = len(service.log)
     assert models.sampler(uri).tokenizer == "tokenizer"
     models.sampler("")
     assert service.log[before:] == [
-        "create_sampling_client model_path=tinker://run-1/sampler_weights/step-50 base_model=None", "wait sampling_client",
-        "create_sampling_client model_path=None base_model=Qwen/Qwen3-8B", "wait sampling_client",
+        "create_sampling_client model_path=tinker://run-1/sampler_weights/step-50 base_model=None",
+        "wait sampling_client",
+        "create_sampling_client model_path=None base_model=Qwen/Qwen3-8B",
+        "wait sampling_client",
     ]  # no training client: an eval needs no optimizer
     assert models.loads == 0
     with pytest.raises(BackendError, match="tinker://"):
@@ -137,10 +162,23 @@ def test_a_checkpoint_saves_sampler_weights_beside_its_state_and_samples_without
 def test_sampling_maps_sequences():
     backend = TinkerBackend("Qwen/Qwen3-8B", lora_rank=32, service_client=StandInService())
     seqs = backend.sampler().sample(types.ModelInput.from_ints([1, 2]), 3, types.SamplingParams(max_tokens=4)).result()
-    assert len(seqs) == 3 and seqs[0].tokens == [5, 6] and seqs[0].logprobs == [-0.1, -0.2] and seqs[0].stop_reason == "stop"
+    assert (
+        len(seqs) == 3
+        and seqs[0].tokens == [5, 6]
+        and seqs[0].logprobs == [-0.1, -0.2]
+        and seqs[0].stop_reason == "stop"
+    )
 
 
-@pytest.mark.parametrize("kwargs,needle", [({"lora_rank": 0}, "LoRA adapters only"), ({"lora_rank": 8, "lora_dropout": 0.1}, "dropout"), ({"lora_rank": 8, "logit_scale": True}, "logit_scale"), ({"lora_rank": 8, "lora_targets": ["q_proj", "router"]}, "router")])
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [
+        ({"lora_rank": 0}, "LoRA adapters only"),
+        ({"lora_rank": 8, "lora_dropout": 0.1}, "dropout"),
+        ({"lora_rank": 8, "logit_scale": True}, "logit_scale"),
+        ({"lora_rank": 8, "lora_targets": ["q_proj", "router"]}, "router"),
+    ],
+)
 def test_settings_tinker_cannot_honour_are_refused(kwargs, needle):
     with pytest.raises(BackendError, match=needle):
         TinkerBackend("Qwen/Qwen3-8B", service_client=StandInService(), **kwargs)

@@ -42,14 +42,28 @@ class StandInTraining:
 
         model, tokenizer = load_model(compose_config().model, device="cpu")
         self.service, self.log = service, service.log
-        self.local = LocalBackend(model, tokenizer, lora_rank=rank, lora_alpha=rank, lora_dropout=0.0, lora_targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], device="cpu", seed=seed, save_dir=service.store)
+        self.local = LocalBackend(
+            model,
+            tokenizer,
+            lora_rank=rank,
+            lora_alpha=rank,
+            lora_dropout=0.0,
+            lora_targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+            device="cpu",
+            seed=seed,
+            save_dir=service.store,
+        )
 
     def get_tokenizer(self):
         return self.local.tokenizer
 
     def forward_backward(self, data, loss_fn, loss_fn_config=None):
         self.log.append(f"submit forward_backward {loss_fn}")
-        return Later(self.log, "forward_backward", lambda: _output(self.local.forward_backward(data, loss_fn, loss_fn_config).result()))
+        return Later(
+            self.log,
+            "forward_backward",
+            lambda: _output(self.local.forward_backward(data, loss_fn, loss_fn_config).result()),
+        )
 
     def forward(self, data, loss_fn, loss_fn_config=None):
         self.log.append(f"submit forward {loss_fn}")
@@ -57,16 +71,26 @@ class StandInTraining:
 
     def optim_step(self, adam):
         self.log.append("submit optim_step")
-        return Later(self.log, "optim_step", lambda: SimpleNamespace(metrics={f"optim/{k}": v for k, v in self.local.optim_step(adam).result().items()}))
+        return Later(
+            self.log,
+            "optim_step",
+            lambda: SimpleNamespace(metrics={f"optim/{k}": v for k, v in self.local.optim_step(adam).result().items()}),
+        )
 
     def save_state(self, name):
         path = self.local.save_state(name)
-        return Later(self.log, "save_state", lambda: SimpleNamespace(path=f"tinker://stand-in/weights/{Path(path).name}"))
+        return Later(
+            self.log, "save_state", lambda: SimpleNamespace(path=f"tinker://stand-in/weights/{Path(path).name}")
+        )
 
     def save_weights_for_sampler(self, name):
         self.log.append(f"save_weights_for_sampler {name}")
         self.local.save_state(name)  # the stand-in keeps a checkpoint's sampler weights in its state's folder
-        return Later(self.log, "save_weights_for_sampler", lambda: SimpleNamespace(path=f"tinker://stand-in/sampler_weights/{name}"))
+        return Later(
+            self.log,
+            "save_weights_for_sampler",
+            lambda: SimpleNamespace(path=f"tinker://stand-in/sampler_weights/{name}"),
+        )
 
     def load_state_with_optimizer(self, uri):
         self.log.append(f"load_state_with_optimizer {uri}")
@@ -85,9 +109,21 @@ def _sampling_client(log, sampler):
 
     def sample(prompt, num_samples, sampling_params):
         seqs = sampler.sample(prompt, num_samples, sampling_params).result()
-        return Later(log, "sample", lambda: SimpleNamespace(sequences=[SimpleNamespace(tokens=s.tokens, logprobs=s.logprobs, stop_reason=s.stop_reason) for s in seqs]))
+        return Later(
+            log,
+            "sample",
+            lambda: SimpleNamespace(
+                sequences=[
+                    SimpleNamespace(tokens=s.tokens, logprobs=s.logprobs, stop_reason=s.stop_reason) for s in seqs
+                ]
+            ),
+        )
 
-    return SimpleNamespace(sample=sample, compute_logprobs=lambda prompt: sampler.compute_logprobs(prompt), get_tokenizer=lambda: sampler.tokenizer)
+    return SimpleNamespace(
+        sample=sample,
+        compute_logprobs=lambda prompt: sampler.compute_logprobs(prompt),
+        get_tokenizer=lambda: sampler.tokenizer,
+    )
 
 
 def _output(result):
@@ -135,14 +171,31 @@ def test_sft_runs_unchanged_on_tinker_with_pipelined_steps_and_uri_checkpoints(r
     from tbexp.stages import sft
 
     collect_oracle(tmp_path / "gold.jsonl", "tasks.limit=4", "tasks.families=[file-move]")
-    job = compose_job("backend=tinker", "model.lora_rank=8", "model.logit_scale=false", "sft.steps=4", "sft.batch_size=2", "sft.eval_every=2", "sft.val_fraction=0.25", "sft.patience=0")
+    job = compose_job(
+        "backend=tinker",
+        "model.lora_rank=8",
+        "model.logit_scale=false",
+        "sft.steps=4",
+        "sft.batch_size=2",
+        "sft.eval_every=2",
+        "sft.val_fraction=0.25",
+        "sft.patience=0",
+    )
     result = sft.train(job, tmp_path / "gold.jsonl", tmp_path / "sft")
     state = json.loads((tmp_path / "sft" / "sft_state.json").read_text())
-    assert [e["checkpoint"] for e in state["evals"]] == ["tinker://stand-in/weights/step-00002", "tinker://stand-in/weights/step-00004"]
+    assert [e["checkpoint"] for e in state["evals"]] == [
+        "tinker://stand-in/weights/step-00002",
+        "tinker://stand-in/weights/step-00004",
+    ]
     assert result.checkpoint.startswith("tinker://")
     log = tinker_service.log
     first = log.index("submit forward_backward cross_entropy")
-    assert log[first : first + 4] == ["submit forward_backward cross_entropy", "submit optim_step", "wait forward_backward", "wait optim_step"]
+    assert log[first : first + 4] == [
+        "submit forward_backward cross_entropy",
+        "submit optim_step",
+        "wait forward_backward",
+        "wait optim_step",
+    ]
 
 
 def test_grpo_runs_unchanged_on_tinker_from_a_tinker_checkpoint(rootfs, tmp_path, tinker_service):
@@ -152,7 +205,28 @@ def test_grpo_runs_unchanged_on_tinker_from_a_tinker_checkpoint(rootfs, tmp_path
     # A starting checkpoint saved by the service: the stage loads its weights only (fresh optimizer).
     cfg = compose_config("backend=tinker", "model.lora_rank=8", "model.logit_scale=false", "policy=model")
     start = make_backend(cfg, tmp_path / "unused").save_state("start")
-    overrides = ["stage=grpo", "backend=tinker", "model.lora_rank=8", "model.logit_scale=false", "policy=model", f"load_checkpoint={start}", "tasks.limit=2", "tasks.families=[file-move]", "task_filter.k=1", "task_filter.lower=0.0", "task_filter.upper=1.0", "reward=per_test", "grpo.steps=1", "grpo.groups_per_step=2", "grpo.group_size=2", "grpo.eval_at_start=false", "grpo.eval_n_runs=1", "grpo.temperature=1.5", "sampling.max_tokens=24", "agent.max_turns=2"]
+    overrides = [
+        "stage=grpo",
+        "backend=tinker",
+        "model.lora_rank=8",
+        "model.logit_scale=false",
+        "policy=model",
+        f"load_checkpoint={start}",
+        "tasks.limit=2",
+        "tasks.families=[file-move]",
+        "task_filter.k=1",
+        "task_filter.lower=0.0",
+        "task_filter.upper=1.0",
+        "reward=per_test",
+        "grpo.steps=1",
+        "grpo.groups_per_step=2",
+        "grpo.group_size=2",
+        "grpo.eval_at_start=false",
+        "grpo.eval_n_runs=1",
+        "grpo.temperature=1.5",
+        "sampling.max_tokens=24",
+        "agent.max_turns=2",
+    ]
     job = compose_job(*overrides)
     result = grpo.train(job, start, grpo.rl_tasks(job, start, tmp_path / "grpo"), tmp_path / "grpo")
     assert f"load_state {start}" in tinker_service.log

@@ -16,14 +16,34 @@ from tests.conftest import REPO, compose_config
 SECRET = "hunter2"
 # Places a secret can sit in a composed config: a URL with credentials in it (the Tinker base URL, a study
 # storage). Secret-named keys (api_key, token...) are covered by test_redact.
-WITH_SECRETS = [f"backend.base_url=https://me:{SECRET}@tinker.example/v1", f"trial.storage=postgresql://tb:{SECRET}@127.0.0.1/optuna"]
+WITH_SECRETS = [
+    f"backend.base_url=https://me:{SECRET}@tinker.example/v1",
+    f"trial.storage=postgresql://tb:{SECRET}@127.0.0.1/optuna",
+]
 
 
 def _eval(run_dir: Path, *overrides: str, env: dict[str, str] | None = None) -> None:
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "TRACKIO_"))}  # offline unless a test says so
+    base = {
+        k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "TRACKIO_"))
+    }  # offline unless a test says so
     done = subprocess.run(
-        [sys.executable, "-m", "tbexp", "stage=eval", "policy=oracle", "tasks.limit=2", "eval.n_runs=1", f"hydra.run.dir={run_dir}", *WITH_SECRETS, *overrides],
-        cwd=REPO, capture_output=True, text=True, timeout=300, env={**base, **(env or {})},
+        [
+            sys.executable,
+            "-m",
+            "tbexp",
+            "stage=eval",
+            "policy=oracle",
+            "tasks.limit=2",
+            "eval.n_runs=1",
+            f"hydra.run.dir={run_dir}",
+            *WITH_SECRETS,
+            *overrides,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**base, **(env or {})},
     )
     assert done.returncode == 0, done.stderr[-3000:]
 
@@ -40,12 +60,19 @@ def test_wandb_offline_run_holds_group_job_type_redacted_config_metrics_and_tabl
     assert config["trial"]["storage"] == "postgresql://<redacted>@127.0.0.1/optuna"
     assert config["sampling"]["max_tokens"] == 96  # a count, not a token
     assert SECRET.encode() not in runs[0].read_bytes()
-    history = {".".join(item.nested_key) or item.key: item.value_json for r in records if r.WhichOneof("record_type") == "history" for item in r.history.item}
+    history = {
+        ".".join(item.nested_key) or item.key: item.value_json
+        for r in records
+        if r.WhichOneof("record_type") == "history"
+        for item in r.history.item
+    }
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert float(history["eval/strict_success"]) == summary["eval/strict_success"] == 1.0
     assert {"eval/reward", "eval/pass@1", "eval/valid_command_rate", "eval/avg_turns"} <= set(history)
     assert json.loads(history["eval/per_task._type"]) == "table-file"
-    table = json.loads(next((runs[0].parent / "files" / "media" / "table").glob("eval/per_task_*.table.json")).read_text())
+    table = json.loads(
+        next((runs[0].parent / "files" / "media" / "table").glob("eval/per_task_*.table.json")).read_text()
+    )
     assert len(table["data"]) == 2 and "task" in table["columns"]
 
 
@@ -57,13 +84,32 @@ def test_trackio_logs_to_a_local_database(rootfs, tmp_path):
     assert any(r.get("eval/strict_success") == 1.0 for r in rows)
     assert any(r.get("eval/per_task", {}).get("_type") == "trackio.table" for r in rows)
     assert config["job_type"] == "eval" and config["_Group"] == "eval"  # no sweep, no experiment: the stage
-    assert SECRET not in json.dumps(config) and SECRET.encode() not in (tmp_path / "trackio" / "tbexp-test.db").read_bytes()
+    assert (
+        SECRET not in json.dumps(config)
+        and SECRET.encode() not in (tmp_path / "trackio" / "tbexp-test.db").read_bytes()
+    )
 
 
 def test_redact():
-    config = {"backend": {"api_key": "tml-123", "TINKER_API_KEY": "tml-456", "hf_token": "hf_x", "max_tokens": 96, "empty_token": ""}, "db": {"password": "pw", "url": "postgresql://u:pw@h/db?sslmode=require&access_token=abc"}, "list": [{"client_secret": "s"}]}
+    config = {
+        "backend": {
+            "api_key": "tml-123",
+            "TINKER_API_KEY": "tml-456",
+            "hf_token": "hf_x",
+            "max_tokens": 96,
+            "empty_token": "",
+        },
+        "db": {"password": "pw", "url": "postgresql://u:pw@h/db?sslmode=require&access_token=abc"},
+        "list": [{"client_secret": "s"}],
+    }
     assert redact(config) == {
-        "backend": {"api_key": "<redacted>", "TINKER_API_KEY": "<redacted>", "hf_token": "<redacted>", "max_tokens": 96, "empty_token": ""},
+        "backend": {
+            "api_key": "<redacted>",
+            "TINKER_API_KEY": "<redacted>",
+            "hf_token": "<redacted>",
+            "max_tokens": 96,
+            "empty_token": "",
+        },
         "db": {"password": "<redacted>", "url": "postgresql://<redacted>@h/db?sslmode=require&access_token=<redacted>"},
         "list": [{"client_secret": "<redacted>"}],
     }

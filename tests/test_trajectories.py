@@ -16,7 +16,17 @@ def _write(tmp_path, lines):
 
 
 def test_round_trip_of_the_written_format(tmp_path):
-    rows = [{"task": "t", "messages": [{"role": "user", "content": "do"}, {"role": "assistant", "content": "ls"}, {"role": "user", "content": "[exit 0]"}, {"role": "assistant", "content": "exit"}]}]
+    rows = [
+        {
+            "task": "t",
+            "messages": [
+                {"role": "user", "content": "do"},
+                {"role": "assistant", "content": "ls"},
+                {"role": "user", "content": "[exit 0]"},
+                {"role": "assistant", "content": "exit"},
+            ],
+        }
+    ]
     path = write_conversations(tmp_path / "t.jsonl", rows)
     assert read_conversations(path) == [rows[0]["messages"]]
 
@@ -27,7 +37,12 @@ def test_raw_command_rows_and_atif_trajectories(tmp_path):
         "steps": [
             {"step_id": 1, "source": "system", "message": "You are an agent."},
             {"step_id": 2, "source": "user", "message": "Count the lines."},
-            {"step_id": 3, "source": "agent", "message": '{"commands": [{"keystrokes": "wc -l a\\n"}]}', "observation": {"results": [{"content": "3 a"}]}},
+            {
+                "step_id": 3,
+                "source": "agent",
+                "message": '{"commands": [{"keystrokes": "wc -l a\\n"}]}',
+                "observation": {"results": [{"content": "3 a"}]},
+            },
             {"step_id": 4, "source": "agent", "message": [{"type": "text", "text": '{"task_complete": true}'}]},
         ],
     }
@@ -41,12 +56,29 @@ def test_raw_command_rows_and_atif_trajectories(tmp_path):
 @pytest.mark.parametrize(
     "lines,needle",
     [
-        ([{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "ls"}]}, "not json at all\n"], "data.jsonl:2: not JSON"),
+        (
+            [
+                {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "ls"}]},
+                "not json at all\n",
+            ],
+            "data.jsonl:2: not JSON",
+        ),
         ([{"messages": [{"role": "user", "content": "x"}]}], "data.jsonl:1: no assistant message"),
         ([{"prompt": "x"}], "data.jsonl:1: a raw-command row needs"),
         ([{"text": "hello"}], "data.jsonl:1: missing field 'messages'"),
         ([{"messages": [{"role": "assistant", "content": "ls"}]}], "must start with a user message"),
-        ([{"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}, {"role": "assistant", "content": "c"}]}], "roles must alternate"),
+        (
+            [
+                {
+                    "messages": [
+                        {"role": "user", "content": "a"},
+                        {"role": "user", "content": "b"},
+                        {"role": "assistant", "content": "c"},
+                    ]
+                }
+            ],
+            "roles must alternate",
+        ),
         (["[1, 2]\n"], "data.jsonl:1: expected a JSON object"),
         (["\n\n"], "empty"),
     ],

@@ -97,8 +97,15 @@ class IsolatedJob:
             try:
                 process.start()
                 return process
-            except (OSError, EOFError) as err:  # the server died, most likely importing the app's module (its traceback is above)
-                log.warning("the jobs' fork server failed (%s: %s); spawning each job instead, about a second more each", type(err).__name__, err)
+            except (
+                OSError,
+                EOFError,
+            ) as err:  # the server died, most likely importing the app's module (its traceback is above)
+                log.warning(
+                    "the jobs' fork server failed (%s: %s); spawning each job instead, about a second more each",
+                    type(err).__name__,
+                    err,
+                )
                 IsolatedJob.forked = False
         process = multiprocessing.get_context("spawn").Process(target=_child_main, args=args, daemon=False)
         process.start()
@@ -168,7 +175,9 @@ def task_reference(task_function: Any) -> tuple[str, str]:
 def _child_main(payload_bytes: bytes, conn: Any, sweeper_pid: int, log_path: str) -> None:
     os.setsid()  # a process group of its own: a timeout kills the job and whatever it started
     _die_with_sweeper(sweeper_pid)
-    if "numpy.random" in sys.modules:  # forked jobs would share the server's draws; `random` reseeds itself after a fork, numpy does not
+    if (
+        "numpy.random" in sys.modules
+    ):  # forked jobs would share the server's draws; `random` reseeds itself after a fork, numpy does not
         sys.modules["numpy.random"].seed()
     signal.signal(signal.SIGTERM, lambda *_: os.killpg(0, signal.SIGKILL))
     out = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -183,7 +192,9 @@ def _child_main(payload_bytes: bytes, conn: Any, sweeper_pid: int, log_path: str
     task_function = _import_task(*payload["task"])  # first: importing it registers the app's schemas and patches
     Singleton.set_state(payload["singletons"])
     loader = payload["hydra_context"].config_loader
-    loader.load_sweep_config = lambda *_: payload["job_config"]  # the sweeper composed it (for the job's directory); again took half a do-nothing job's time
+    loader.load_sweep_config = lambda *_: payload[
+        "job_config"
+    ]  # the sweeper composed it (for the job's directory); again took half a do-nothing job's time
     launcher = BasicLauncher()
     launcher.setup(hydra_context=payload["hydra_context"], task_function=task_function, config=payload["config"])
     try:

@@ -57,7 +57,9 @@ def fail_orphans(study: Any, stale_after_s: float) -> int:
     failed = 0
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         owner = trial.system_attrs.get(OWNER_ATTR, "")
-        last = trial.system_attrs.get(HEARTBEAT_ATTR) or (trial.datetime_start.timestamp() if trial.datetime_start else 0.0)
+        last = trial.system_attrs.get(HEARTBEAT_ATTR) or (
+            trial.datetime_start.timestamp() if trial.datetime_start else 0.0
+        )
         if _alive(owner, last, stale_after_s):
             continue
         if interrupt(study, trial, f"its sweeper ({owner or 'unknown'}) stopped while it ran"):

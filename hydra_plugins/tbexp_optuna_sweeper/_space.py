@@ -69,7 +69,9 @@ class Param:
         if self.step:
             n = int(round((self.high - self.low) / self.step))
             return [round(self.low + i * self.step, 12) for i in range(n + 1)]
-        raise SearchSpaceError(f"params.{self.name}: a continuous float needs `grid: [...]` (or a step) for sampler=grid")
+        raise SearchSpaceError(
+            f"params.{self.name}: a continuous float needs `grid: [...]` (or a step) for sampler=grid"
+        )
 
 
 class SearchSpace:
@@ -131,7 +133,18 @@ def override_value(value: Any) -> str:
 
 def _param(name: str, spec: Mapping[str, Any]) -> Param:
     get = spec.get
-    p = Param(name, get("type", "float"), get("low"), get("high"), bool(get("log", False)), get("step"), _plain(get("choices")), get("above"), float(get("gap", 0.0)), _plain(get("grid")))
+    p = Param(
+        name,
+        get("type", "float"),
+        get("low"),
+        get("high"),
+        bool(get("log", False)),
+        get("step"),
+        _plain(get("choices")),
+        get("above"),
+        float(get("gap", 0.0)),
+        _plain(get("grid")),
+    )
     where = f"params.{name}"
     if p.type not in ("float", "int", "categorical"):
         raise SearchSpaceError(f"{where}.type={p.type!r}: choose float, int or categorical")
@@ -188,4 +201,6 @@ def _check_bounds(p: Param, params: dict[str, Param]) -> None:
     if other.type == "categorical":
         raise SearchSpaceError(f"params.{p.name}.above={p.above!r}: must be a float or int parameter")
     if p.lowest(other.high) > p.high:
-        raise SearchSpaceError(f"params.{p.name}: high={p.high} leaves no value above {p.above}'s high={other.high} (gap {p.gap}); raise {p.name}.high or lower {p.above}.high")
+        raise SearchSpaceError(
+            f"params.{p.name}: high={p.high} leaves no value above {p.above}'s high={other.high} (gap {p.gap}); raise {p.name}.high or lower {p.above}.high"
+        )

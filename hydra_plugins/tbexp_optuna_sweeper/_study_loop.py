@@ -27,11 +27,19 @@ from typing import Any, Mapping
 
 from omegaconf import OmegaConf, open_dict
 
-from tbexp.study import FAIL_REASON_ATTR, INTERRUPTED_ATTR, JOB_DIR_ATTR, POINTER_FILE, PRUNED_AT_ATTR, RETRY_OF_ATTR, absolute_storage
+from tbexp.study import (
+    FAIL_REASON_ATTR,
+    INTERRUPTED_ATTR,
+    JOB_DIR_ATTR,
+    POINTER_FILE,
+    PRUNED_AT_ATTR,
+    RETRY_OF_ATTR,
+    absolute_storage,
+)
 
 from . import _job_server, _recovery, _space
-from ._study_open import SweepError, open_study
 from ._jobs import IsolatedJob, Outcome, kill_live_jobs, launch_in_thread, task_reference
+from ._study_open import SweepError, open_study
 
 log = logging.getLogger("tbexp.sweep")
 
@@ -60,7 +68,9 @@ class _Sweep:
         self.sweeper = sweeper
         self.s = sweeper.settings
         if self.s.n_jobs < 1 or self.s.n_trials < 1:
-            raise SweepError(f"hydra.sweeper.n_jobs={self.s.n_jobs}, n_trials={self.s.n_trials}: both must be at least 1")
+            raise SweepError(
+                f"hydra.sweeper.n_jobs={self.s.n_jobs}, n_trials={self.s.n_trials}: both must be at least 1"
+            )
         self.space = _space.SearchSpace(self.s.params)
         self.arguments = _fixed_overrides(arguments, self.space)
         self.isolated = isinstance(sweeper.launcher, BasicLauncher)  # see _jobs: in-process jobs get a process each
@@ -75,11 +85,27 @@ class _Sweep:
     def run(self) -> float | None:
         self.sweep_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(self.sweeper.config, self.sweep_dir / "multirun.yaml")
-        OmegaConf.save({"study_name": self.s.study_name, "storage": self.storage_url, "objective": OmegaConf.to_container(self.s.objective)}, self.sweep_dir / POINTER_FILE)
+        OmegaConf.save(
+            {
+                "study_name": self.s.study_name,
+                "storage": self.storage_url,
+                "objective": OmegaConf.to_container(self.s.objective),
+            },
+            self.sweep_dir / POINTER_FILE,
+        )
         orphans = _recovery.fail_orphans(self.study, self.s.stale_after_s)
         if self.s.sampler.name == "grid":
             self._queue_grid()
-        log.info("study %r in %s: %d trials so far%s; budget %d, %d at a time; jobs in %s", self.s.study_name, self.storage_url, len(self.study.get_trials(deepcopy=False)), f" ({orphans} orphaned, re-queued)" if orphans else "", self.s.n_trials, self.s.n_jobs, self.sweep_dir)
+        log.info(
+            "study %r in %s: %d trials so far%s; budget %d, %d at a time; jobs in %s",
+            self.s.study_name,
+            self.storage_url,
+            len(self.study.get_trials(deepcopy=False)),
+            f" ({orphans} orphaned, re-queued)" if orphans else "",
+            self.s.n_trials,
+            self.s.n_jobs,
+            self.sweep_dir,
+        )
         last_beat = last_orphan_check = time.monotonic()
         if self.isolated:
             _job_server.start(task_reference(self.sweeper.task_function)[0])
@@ -114,7 +140,12 @@ class _Sweep:
         from optuna.trial import TrialState
 
         trials = self.study.get_trials(deepcopy=False)
-        used = sum(1 for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING) or (t.state == TrialState.FAIL and not t.user_attrs.get(INTERRUPTED_ATTR)))
+        used = sum(
+            1
+            for t in trials
+            if t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)
+            or (t.state == TrialState.FAIL and not t.user_attrs.get(INTERRUPTED_ATTR))
+        )
         if used >= self.s.n_trials:
             return False
         if self.s.sampler.name == "grid":  # the grid's points are the queued trials; none left = grid done
@@ -123,7 +154,9 @@ class _Sweep:
 
     def _start(self) -> None:
         trial = self.study.ask()
-        _recovery.claim(self.study, trial._trial_id)  # at once: a killed sweeper's unclaimed trial would wait stale_after_s to be failed
+        _recovery.claim(
+            self.study, trial._trial_id
+        )  # at once: a killed sweeper's unclaimed trial would wait stale_after_s to be failed
         values = self.space.suggest(trial)
         job_num = self.offset + trial.number
         overrides = self.arguments + _space.overrides(values) + self._trial_overrides(trial.number)
@@ -131,15 +164,26 @@ class _Sweep:
         job_dir = (Path(str(job_config.hydra.sweep.dir)) / str(job_config.hydra.sweep.subdir)).absolute()
         storage = self.study._storage
         if job_dir.is_dir() and any(job_dir.iterdir()):
-            self._fail(_Running(trial._trial_id, trial.number, job_num, job_dir, values), f"job directory {job_dir} already holds files; not overwriting it")
+            self._fail(
+                _Running(trial._trial_id, trial.number, job_num, job_dir, values),
+                f"job directory {job_dir} already holds files; not overwriting it",
+            )
             return
         storage.set_trial_user_attr(trial._trial_id, JOB_DIR_ATTR, str(job_dir))
         record = _Running(trial._trial_id, trial.number, job_num, job_dir, values)
         self.running[record.trial_id] = record
         retry = trial.user_attrs.get(RETRY_OF_ATTR)
-        log.info("trial %d (job %d%s) started: %s", trial.number, job_num, f", retry of trial {retry}" if retry is not None else "", _describe(values))
+        log.info(
+            "trial %d (job %d%s) started: %s",
+            trial.number,
+            job_num,
+            f", retry of trial {retry}" if retry is not None else "",
+            _describe(values),
+        )
         payload = self._payload(overrides, job_num, job_config) if self.isolated else None
-        threading.Thread(target=self._run_job, args=(record, overrides, payload), name=f"trial-{trial.number}", daemon=True).start()
+        threading.Thread(
+            target=self._run_job, args=(record, overrides, payload), name=f"trial-{trial.number}", daemon=True
+        ).start()
 
     def _run_job(self, record: _Running, overrides: list[str], payload: dict[str, Any] | None) -> None:
         try:
@@ -157,7 +201,13 @@ class _Sweep:
         trial = self.study._storage.get_trial(record.trial_id)
         took = time.monotonic() - record.started
         if trial.state == TrialState.PRUNED:
-            log.info("trial %d: PRUNED at step %s after %.1f s (%s)", record.number, trial.user_attrs.get(PRUNED_AT_ATTR, trial.last_step), took, _describe(record.values))
+            log.info(
+                "trial %d: PRUNED at step %s after %.1f s (%s)",
+                record.number,
+                trial.user_attrs.get(PRUNED_AT_ATTR, trial.last_step),
+                took,
+                _describe(record.values),
+            )
             return
         if trial.state.is_finished():  # failed as an orphan by another sweeper; its retry is queued
             log.info("trial %d: already %s after %.1f s", record.number, trial.state.name, took)
@@ -167,11 +217,24 @@ class _Sweep:
             return
         value = _objective(outcome.value, self.s.objective.metric)
         if value is None:
-            nan = " (NaN: what an eval with no valid episode gives; the job's tasks.csv says why)" if _is_nan(outcome.value, self.s.objective.metric) else ""
-            self._fail(record, f"the job returned {outcome.value!r}, not a finite number for {self.s.objective.metric}{nan}")
+            nan = (
+                " (NaN: what an eval with no valid episode gives; the job's tasks.csv says why)"
+                if _is_nan(outcome.value, self.s.objective.metric)
+                else ""
+            )
+            self._fail(
+                record, f"the job returned {outcome.value!r}, not a finite number for {self.s.objective.metric}{nan}"
+            )
             return
         self.study.tell(record.number, value, skip_if_finished=True)
-        log.info("trial %d: COMPLETE %s=%.4f after %.1f s (%s)", record.number, self.s.objective.metric, value, took, _describe(record.values))
+        log.info(
+            "trial %d: COMPLETE %s=%.4f after %.1f s (%s)",
+            record.number,
+            self.s.objective.metric,
+            value,
+            took,
+            _describe(record.values),
+        )
 
     def _fail(self, record: _Running, reason: str, show_output: bool = False) -> None:
         from optuna.exceptions import UpdateFinishedTrialError
@@ -183,7 +246,13 @@ class _Sweep:
             return
         self.study.tell(record.number, state=TrialState.FAIL, skip_if_finished=True)
         tail = _tail(record.job_dir / "output.log") if show_output else ""
-        log.warning("trial %d: FAIL (%s) in %s%s", record.number, reason, record.job_dir, f"; the end of its output.log:\n{tail}" if tail else "")
+        log.warning(
+            "trial %d: FAIL (%s) in %s%s",
+            record.number,
+            reason,
+            record.job_dir,
+            f"; the end of its output.log:\n{tail}" if tail else "",
+        )
 
     def _interrupt_running(self, reason: str) -> None:
         kill_live_jobs()
@@ -206,7 +275,13 @@ class _Sweep:
         key = self.s.trial_key
         if not key:
             return []
-        fields = {"number": number, "study": self.s.study_name, "storage": self.storage_url, "objective": self.s.objective.metric, "pruning_metric": self.pruning_metric}
+        fields = {
+            "number": number,
+            "study": self.s.study_name,
+            "storage": self.storage_url,
+            "objective": self.s.objective.metric,
+            "pruning_metric": self.pruning_metric,
+        }
         return [f"{key}.{name}={_space.override_value(value)}" for name, value in fields.items()]
 
     def _job_config(self, overrides: list[str], job_num: int, trial: Any) -> Any:
@@ -216,11 +291,21 @@ class _Sweep:
         except Exception as err:
             from optuna.trial import TrialState
 
-            self.study._storage.set_trial_user_attr(trial._trial_id, FAIL_REASON_ATTR, f"config does not compose: {err}")
-            self.study._storage.set_trial_user_attr(trial._trial_id, INTERRUPTED_ATTR, True)  # the sweep's fault: not counted against n_trials
+            self.study._storage.set_trial_user_attr(
+                trial._trial_id, FAIL_REASON_ATTR, f"config does not compose: {err}"
+            )
+            self.study._storage.set_trial_user_attr(
+                trial._trial_id, INTERRUPTED_ATTR, True
+            )  # the sweep's fault: not counted against n_trials
             self.study.tell(trial.number, state=TrialState.FAIL)
-            hint = f" (does the app's config have a `{self.s.trial_key}` node? set hydra.sweeper.trial_key='' if not)" if self.s.trial_key and self.s.trial_key in str(err) else ""
-            raise SweepError(f"trial {trial.number}: the job's config does not compose{hint}: {err}\noverrides: {' '.join(overrides)}") from err
+            hint = (
+                f" (does the app's config have a `{self.s.trial_key}` node? set hydra.sweeper.trial_key='' if not)"
+                if self.s.trial_key and self.s.trial_key in str(err)
+                else ""
+            )
+            raise SweepError(
+                f"trial {trial.number}: the job's config does not compose{hint}: {err}\noverrides: {' '.join(overrides)}"
+            ) from err
         with open_dict(cfg):
             cfg.hydra.job.num = job_num
             cfg.hydra.job.id = job_num
@@ -229,19 +314,44 @@ class _Sweep:
     def _payload(self, overrides: list[str], job_num: int, job_config: Any) -> dict[str, Any]:
         from hydra.core.singleton import Singleton
 
-        return {"task": task_reference(self.sweeper.task_function), "singletons": Singleton.get_state(), "hydra_context": self.sweeper.hydra_context, "config": self.sweeper.config, "overrides": overrides, "job_num": job_num, "job_config": job_config}
+        return {
+            "task": task_reference(self.sweeper.task_function),
+            "singletons": Singleton.get_state(),
+            "hydra_context": self.sweeper.hydra_context,
+            "config": self.sweeper.config,
+            "overrides": overrides,
+            "job_num": job_num,
+            "job_config": job_config,
+        }
 
     def _write_results(self) -> float | None:
         from optuna.trial import TrialState
 
         trials = self.study.get_trials(deepcopy=False)
-        counts = {state.name: sum(1 for t in trials if t.state == state) for state in TrialState if any(t.state == state for t in trials)}
+        counts = {
+            state.name: sum(1 for t in trials if t.state == state)
+            for state in TrialState
+            if any(t.state == state for t in trials)
+        }
         complete = [t for t in trials if t.state == TrialState.COMPLETE]
         results: dict[str, Any] = {"study_name": self.s.study_name, "storage": self.storage_url, "trials": counts}
         if complete:
             best = self.study.best_trial
-            results.update(best_trial=best.number, best_value=best.value, best_params=best.params, best_job_dir=best.user_attrs.get(JOB_DIR_ATTR, ""))
-            log.info("done: %s; best trial %d: %s=%.4f (%s) in %s", counts, best.number, self.s.objective.metric, best.value, _describe(best.params), best.user_attrs.get(JOB_DIR_ATTR, ""))
+            results.update(
+                best_trial=best.number,
+                best_value=best.value,
+                best_params=best.params,
+                best_job_dir=best.user_attrs.get(JOB_DIR_ATTR, ""),
+            )
+            log.info(
+                "done: %s; best trial %d: %s=%.4f (%s) in %s",
+                counts,
+                best.number,
+                self.s.objective.metric,
+                best.value,
+                _describe(best.params),
+                best.user_attrs.get(JOB_DIR_ATTR, ""),
+            )
         else:
             log.warning("done: %s; no trial completed", counts)
         OmegaConf.save(OmegaConf.create(results), self.sweep_dir / "optimization_results.yaml")
@@ -254,9 +364,13 @@ def _fixed_overrides(arguments: list[str], space: _space.SearchSpace) -> list[st
 
     for override in OverridesParser.create().parse_overrides(arguments):
         if override.is_sweep_override():
-            raise SweepError(f"{override.input_line}: hydra/sweeper=tbexp_optuna takes its search space from the sweep file (hydra.sweeper.params), not from command-line sweeps")
+            raise SweepError(
+                f"{override.input_line}: hydra/sweeper=tbexp_optuna takes its search space from the sweep file (hydra.sweeper.params), not from command-line sweeps"
+            )
         if override.get_key_element() in space.params:
-            raise SweepError(f"{override.input_line}: {override.get_key_element()} is also in the search space; drop one of them")
+            raise SweepError(
+                f"{override.input_line}: {override.get_key_element()} is also in the search space; drop one of them"
+            )
     return list(arguments)
 
 

@@ -28,13 +28,22 @@ def open_study(settings: Any, storage_url: str, sweep_dir: Path, pruning_metric:
     direction = settings.objective.direction
     if direction not in ("maximize", "minimize"):
         raise SweepError(f"hydra.sweeper.objective.direction={direction!r}: choose maximize or minimize")
-    study = optuna.create_study(study_name=settings.study_name, storage=open_storage(storage_url), direction=direction, load_if_exists=True)
+    study = optuna.create_study(
+        study_name=settings.study_name, storage=open_storage(storage_url), direction=direction, load_if_exists=True
+    )
     if study.direction.name.lower() != direction:
-        raise SweepError(f"study {settings.study_name!r} in {storage_url} exists with direction {study.direction.name.lower()}; the sweep says {direction}. Rename the study or fix the direction")
+        raise SweepError(
+            f"study {settings.study_name!r} in {storage_url} exists with direction {study.direction.name.lower()}; the sweep says {direction}. Rename the study or fix the direction"
+        )
     pruner = OmegaConf.to_container(settings.pruner)
     study.sampler = _sampler(settings.sampler, settings.sampler.seed + len(study.get_trials(deepcopy=False)))
     study.pruner = make_pruner(pruner)
-    for key, value in ((PRUNER_ATTR, pruner), (OBJECTIVE_ATTR, settings.objective.metric), (PRUNING_METRIC_ATTR, pruning_metric), (SWEEP_DIR_ATTR, str(sweep_dir))):
+    for key, value in (
+        (PRUNER_ATTR, pruner),
+        (OBJECTIVE_ATTR, settings.objective.metric),
+        (PRUNING_METRIC_ATTR, pruning_metric),
+        (SWEEP_DIR_ATTR, str(sweep_dir)),
+    ):
         study.set_user_attr(key, value)
     return study
 
@@ -44,7 +53,12 @@ def _sampler(settings: Any, seed: int) -> Any:
 
     if settings.name == "tpe":
         # A bound that moves (`above`) drops out of multivariate TPE's joint model and is sampled on its own.
-        return optuna.samplers.TPESampler(seed=seed, n_startup_trials=settings.n_startup_trials, multivariate=settings.multivariate, constant_liar=settings.constant_liar)
+        return optuna.samplers.TPESampler(
+            seed=seed,
+            n_startup_trials=settings.n_startup_trials,
+            multivariate=settings.multivariate,
+            constant_liar=settings.constant_liar,
+        )
     if settings.name in ("random", "grid"):  # grid: the points are queued trials; the sampler only orders the rest
         return optuna.samplers.RandomSampler(seed=seed)
     raise SweepError(f"hydra.sweeper.sampler.name={settings.name!r}: choose tpe, random or grid")

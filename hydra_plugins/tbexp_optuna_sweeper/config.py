@@ -48,13 +48,17 @@ class SamplerConf:
 @dataclass
 class PrunerConf:
     name: str = "none"  # none | median | successive_halving | hyperband
-    metric: str = ""  # the intermediate metric jobs report ("eval/nll" in SFT, "eval/reward" in GRPO); "" = objective.metric
+    metric: str = (
+        ""  # the intermediate metric jobs report ("eval/nll" in SFT, "eval/reward" in GRPO); "" = objective.metric
+    )
     n_startup_trials: int = 5  # median: finished trials before any is pruned
     n_warmup_steps: int = 0  # median: no pruning before this step
     interval_steps: int = 1  # median: check every this many steps
     min_resource: int = 1  # successive_halving, hyperband: steps every trial gets (the first rung)
     max_resource: int = 0  # hyperband: steps of a full trial; 0 = Optuna's "auto" (the first finished trials' length)
-    reduction_factor: int = 3  # successive_halving, hyperband: at each rung (min_resource x factor^k steps) 1 trial in this many goes on
+    reduction_factor: int = (
+        3  # successive_halving, hyperband: at each rung (min_resource x factor^k steps) 1 trial in this many goes on
+    )
 
 
 @dataclass
@@ -69,9 +73,13 @@ class TbexpOptunaSweeperConf:
     n_jobs: int = 2  # trials running at once; the next starts as soon as one ends
     params: Dict[str, ParamConf] = field(default_factory=dict)
     trial_key: str = "trial"  # config node through which a job learns its trial (tbexp.config.TrialConfig); "" = none
-    trial_timeout_s: float = 0.0  # basic launcher: kill a trial's job after this and mark it FAIL; 0 = never (submitit: timeout_min)
+    trial_timeout_s: float = (
+        0.0  # basic launcher: kill a trial's job after this and mark it FAIL; 0 = never (submitit: timeout_min)
+    )
     heartbeat_s: float = 30.0  # how often the sweeper marks its running trials alive in the storage
-    stale_after_s: float = 300.0  # a RUNNING trial of a sweeper on another host that has been silent this long is failed
+    stale_after_s: float = (
+        300.0  # a RUNNING trial of a sweeper on another host that has been silent this long is failed
+    )
 
 
 ConfigStore.instance().store(group="hydra/sweeper", name="tbexp_optuna", node=TbexpOptunaSweeperConf, provider="tbexp")

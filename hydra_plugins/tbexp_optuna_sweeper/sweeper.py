@@ -23,7 +23,9 @@ class TbexpOptunaSweeper(Sweeper):
         self.config = config
         self.hydra_context = hydra_context
         self.task_function = task_function
-        self.launcher = Plugins.instance().instantiate_launcher(hydra_context=hydra_context, task_function=task_function, config=config)
+        self.launcher = Plugins.instance().instantiate_launcher(
+            hydra_context=hydra_context, task_function=task_function, config=config
+        )
 
     def sweep(self, arguments: List[str]) -> Any:
         from ._study_loop import run_sweep

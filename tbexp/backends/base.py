@@ -66,7 +66,9 @@ class Sampler(abc.ABC):
     tokenizer: Any  # the base model's tokenizer, which the renderer needs
 
     @abc.abstractmethod
-    def sample(self, prompt: types.ModelInput, num_samples: int, params: types.SamplingParams) -> Future[list[SampledSequence]]: ...
+    def sample(
+        self, prompt: types.ModelInput, num_samples: int, params: types.SamplingParams
+    ) -> Future[list[SampledSequence]]: ...
 
     @abc.abstractmethod
     def compute_logprobs(self, prompt: types.ModelInput) -> Future[list[float | None]]:
@@ -79,11 +81,15 @@ class TrainingBackend(abc.ABC):
     tokenizer: Any  # a Hugging Face tokenizer for the base model
 
     @abc.abstractmethod
-    def forward_backward(self, data: list[types.Datum], loss_fn: str, loss_fn_config: dict[str, float] | None = None) -> Future[ForwardBackwardResult]:
+    def forward_backward(
+        self, data: list[types.Datum], loss_fn: str, loss_fn_config: dict[str, float] | None = None
+    ) -> Future[ForwardBackwardResult]:
         """Add this batch's gradients (they accumulate until `optim_step`)."""
 
     @abc.abstractmethod
-    def forward(self, data: list[types.Datum], loss_fn: str, loss_fn_config: dict[str, float] | None = None) -> Future[ForwardBackwardResult]:
+    def forward(
+        self, data: list[types.Datum], loss_fn: str, loss_fn_config: dict[str, float] | None = None
+    ) -> Future[ForwardBackwardResult]:
         """The same loss and logprobs without gradients (held-out NLL)."""
 
     @abc.abstractmethod

@@ -55,7 +55,14 @@ def sample_batch(model, tokenizer, requests: list[Request], eos_token_ids: list[
     lm = model.get_base_model() if hasattr(model, "get_base_model") else model
     cache = DynamicCache(config=lm.config)
     cache_kw = {_cache_kwarg(lm): cache}
-    out = model(input_ids=tokens_B_T, attention_mask=mask_B_T, position_ids=positions_B_T, use_cache=True, logits_to_keep=1, **cache_kw)
+    out = model(
+        input_ids=tokens_B_T,
+        attention_mask=mask_B_T,
+        position_ids=positions_B_T,
+        use_cache=True,
+        logits_to_keep=1,
+        **cache_kw,
+    )
     logits_B_V = out.logits[:, -1]
     next_B = positions_B_T[:, -1] + 1
 
@@ -83,7 +90,13 @@ def sample_batch(model, tokenizer, requests: list[Request], eos_token_ids: list[
             live = [live[b] for b in keep]
         picked_B = torch.tensor([picked[b] for b in keep], device=device)
         mask_B_T = torch.cat([mask_B_T, torch.ones(len(live), 1, dtype=mask_B_T.dtype, device=device)], dim=1)
-        out = model(input_ids=picked_B[:, None], attention_mask=mask_B_T, position_ids=next_B[:, None], use_cache=True, **cache_kw)
+        out = model(
+            input_ids=picked_B[:, None],
+            attention_mask=mask_B_T,
+            position_ids=next_B[:, None],
+            use_cache=True,
+            **cache_kw,
+        )
         logits_B_V = out.logits[:, -1]
         next_B = next_B + 1
     return results

@@ -69,10 +69,18 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
 from tinker import types
 
-from tbexp.backends.base import LOSSES, Done, ForwardBackwardResult, Future, Sampler, SampledSequence, TrainingBackend
+from tbexp.backends.base import LOSSES, Done, ForwardBackwardResult, Future, SampledSequence, Sampler, TrainingBackend
 from tbexp.backends.batch_sampling import BatchQueue, Request, sample_batch
 from tbexp.backends.continuous_batching import SEED_STRIDE, ContinuousBatcher
-from tbexp.backends.local_speed import PACKED_ATTENTION, _attention_implementation, _cast_weights, _compile_layers, _enable_checkpointing, _register_packed_attention, _sdpa_first
+from tbexp.backends.local_speed import (
+    PACKED_ATTENTION,
+    _attention_implementation,
+    _cast_weights,
+    _compile_layers,
+    _enable_checkpointing,
+    _register_packed_attention,
+    _sdpa_first,
+)
 from tbexp.backends.logit_scale import add_logit_scale, is_logit_scale
 from tbexp.backends.logprobs import target_logprobs
 from tbexp.backends.sampling import sample_sequences
@@ -81,18 +89,54 @@ RL_INPUTS = ("target_tokens", "logprobs", "advantages")
 
 
 class LocalBackend(TrainingBackend):
-    def __init__(self, model, tokenizer, *, lora_rank: int, lora_alpha: float, lora_dropout: float, lora_targets: list[str], lora_target_parameters: list[str] | None = None, logit_scale: bool = False, logit_scale_lr_factor: float = 0.0, merge_for_sampling: bool | None = None, device: str = "auto", seed: int = 0, save_dir: str | Path, microbatch_tokens: int = 8192, gradient_checkpointing: bool = False, packing: bool = False, dtype: str | None = None, compile_backend: str | None = None, logprob_chunk_tokens: int | None = None, sdpa_backend: str | None = None, cuda_graph_sampling: bool = False, train_threads: int | None = None, continuous_batching: bool = False, kv_cache_tokens: int = 0, max_concurrent_sequences: int = 256):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        lora_rank: int,
+        lora_alpha: float,
+        lora_dropout: float,
+        lora_targets: list[str],
+        lora_target_parameters: list[str] | None = None,
+        logit_scale: bool = False,
+        logit_scale_lr_factor: float = 0.0,
+        merge_for_sampling: bool | None = None,
+        device: str = "auto",
+        seed: int = 0,
+        save_dir: str | Path,
+        microbatch_tokens: int = 8192,
+        gradient_checkpointing: bool = False,
+        packing: bool = False,
+        dtype: str | None = None,
+        compile_backend: str | None = None,
+        logprob_chunk_tokens: int | None = None,
+        sdpa_backend: str | None = None,
+        cuda_graph_sampling: bool = False,
+        train_threads: int | None = None,
+        continuous_batching: bool = False,
+        kv_cache_tokens: int = 0,
+        max_concurrent_sequences: int = 256,
+    ):
         _check_plain_lm_head(model.config)
         self.tokenizer = tokenizer
-        self.device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto" else device)
+        self.device = torch.device(
+            "cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto" else device
+        )
         self.save_dir = Path(save_dir)
         self.microbatch_tokens = microbatch_tokens
         self.lora_rank = lora_rank
         self.packing = packing
         # A private merged copy per sampler pays off where per-layer overhead dominates: small models on a CPU.
         small = sum(p.numel() for p in model.parameters()) < 50_000_000
-        self.merge_for_sampling = (self.device.type == "cpu" and small) if merge_for_sampling is None else merge_for_sampling
-        self.compile_backend, self.logprob_chunk_tokens, self.sdpa_backend = compile_backend, logprob_chunk_tokens, sdpa_backend
+        self.merge_for_sampling = (
+            (self.device.type == "cpu" and small) if merge_for_sampling is None else merge_for_sampling
+        )
+        self.compile_backend, self.logprob_chunk_tokens, self.sdpa_backend = (
+            compile_backend,
+            logprob_chunk_tokens,
+            sdpa_backend,
+        )
         self.cuda_graph_sampling = cuda_graph_sampling
         self.train_threads = train_threads
         self.continuous_batching = continuous_batching
@@ -107,7 +151,15 @@ class LocalBackend(TrainingBackend):
             _enable_checkpointing(model)
         if lora_rank > 0:
             # target_parameters reaches weights that are not nn.Linear modules (gpt-oss's 3-D expert tensors).
-            config = LoraConfig(r=lora_rank, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules=list(lora_targets), target_parameters=list(lora_target_parameters or []) or None, bias="none", task_type="CAUSAL_LM")
+            config = LoraConfig(
+                r=lora_rank,
+                lora_alpha=lora_alpha,
+                lora_dropout=lora_dropout,
+                target_modules=list(lora_targets),
+                target_parameters=list(lora_target_parameters or []) or None,
+                bias="none",
+                task_type="CAUSAL_LM",
+            )
             with torch.random.fork_rng(devices=range(torch.cuda.device_count())):
                 torch.manual_seed(seed)  # LoRA's A init; the global RNG stream is left alone
                 with warnings.catch_warnings():  # peft 0.21 reads a property transformers 5 deprecated
@@ -140,27 +192,42 @@ class LocalBackend(TrainingBackend):
         self._lock = threading.RLock()
         self._live_samplers: weakref.WeakSet[LocalSampler] = weakref.WeakSet()
         gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        self.eos_token_ids = sorted({t for t in _as_list(gen_eos) + _as_list(getattr(tokenizer, "eos_token_id", None)) if t is not None})
+        self.eos_token_ids = sorted(
+            {t for t in _as_list(gen_eos) + _as_list(getattr(tokenizer, "eos_token_id", None)) if t is not None}
+        )
 
     # ---- training ----
 
-    def forward_backward(self, data: list[types.Datum], loss_fn: str, loss_fn_config: dict[str, float] | None = None) -> Future[ForwardBackwardResult]:
+    def forward_backward(
+        self, data: list[types.Datum], loss_fn: str, loss_fn_config: dict[str, float] | None = None
+    ) -> Future[ForwardBackwardResult]:
         with _torch_threads(self.train_threads):
             return Done(self._run(data, loss_fn, loss_fn_config, backward=True))
 
-    def forward(self, data: list[types.Datum], loss_fn: str, loss_fn_config: dict[str, float] | None = None) -> Future[ForwardBackwardResult]:
+    def forward(
+        self, data: list[types.Datum], loss_fn: str, loss_fn_config: dict[str, float] | None = None
+    ) -> Future[ForwardBackwardResult]:
         with torch.no_grad(), _torch_threads(self.train_threads):
             return Done(self._run(data, loss_fn, loss_fn_config, backward=False))
 
-    def _run(self, data: list[types.Datum], loss_fn: str, loss_fn_config: dict[str, float] | None, backward: bool) -> ForwardBackwardResult:
+    def _run(
+        self, data: list[types.Datum], loss_fn: str, loss_fn_config: dict[str, float] | None, backward: bool
+    ) -> ForwardBackwardResult:
         if loss_fn not in LOSSES:
             raise ValueError(f"unknown loss_fn {loss_fn!r}; the local backend has {LOSSES}")
         rows = [_row(d, loss_fn) for d in data]
         batches = _microbatches(rows, self.microbatch_tokens, packed=self.packing)
         # A copy from pageable host memory waits for the device's queue: copy everything before queueing work.
-        batch_inputs = [_to_device(_batch_inputs([rows[i] for i in batch], self.packing), self.device) for batch in batches]
+        batch_inputs = [
+            _to_device(_batch_inputs([rows[i] for i in batch], self.packing), self.device) for batch in batches
+        ]
         losses, logp_parts = [], []
-        with self._lock, self._autocast(), _attention_implementation(self._lm, PACKED_ATTENTION if self.packing else None), _sdpa_first(self.sdpa_backend):
+        with (
+            self._lock,
+            self._autocast(),
+            _attention_implementation(self._lm, PACKED_ATTENTION if self.packing else None),
+            _sdpa_first(self.sdpa_backend),
+        ):
             self.model.train(backward)  # eval mode (no dropout) for a forward-only pass
             for inputs in batch_inputs:
                 logp_N = self._target_logprobs(inputs)
@@ -170,7 +237,11 @@ class LocalBackend(TrainingBackend):
                 losses.append(loss.detach())
                 logp_parts.append(logp_N.detach())
         # The call's one device-to-host copy: every logprob (in micro-batch order), then each micro-batch's loss.
-        host = torch.cat([*logp_parts, *[x[None] for x in losses]]).double().cpu() if rows else torch.zeros(0, dtype=torch.float64)
+        host = (
+            torch.cat([*logp_parts, *[x[None] for x in losses]]).double().cpu()
+            if rows
+            else torch.zeros(0, dtype=torch.float64)
+        )
         order = [i for batch in batches for i in batch]
         logps: list[torch.Tensor | None] = [None] * len(rows)
         for i, logp in zip(order, host[: len(host) - len(losses)].split([len(rows[i]["tokens"]) for i in order])):
@@ -179,14 +250,28 @@ class LocalBackend(TrainingBackend):
         flat = {k: torch.cat([r[k] for r in rows]) for k in rows[0] if k != "tokens"} if rows else {}
         logp_all = torch.cat(logps) if rows else torch.zeros(0)
         n_tokens = float(flat["weights"].sum()) if loss_fn == "cross_entropy" and rows else float(len(logp_all))
-        return ForwardBackwardResult(loss=total, n_tokens=n_tokens, logprobs=[lp.tolist() for lp in logps], metrics=_metrics(loss_fn, logp_all, flat, loss_fn_config or {}))
+        return ForwardBackwardResult(
+            loss=total,
+            n_tokens=n_tokens,
+            logprobs=[lp.tolist() for lp in logps],
+            metrics=_metrics(loss_fn, logp_all, flat, loss_fn_config or {}),
+        )
 
     def _target_logprobs(self, inputs: dict) -> torch.Tensor:
         """logp of each row's targets, rows concatenated, from one forward pass over the micro-batch."""
         hidden = self._lm.get_decoder()(**inputs["model"], use_cache=False).last_hidden_state
-        hidden_N_D = hidden.flatten(0, 1) if inputs["index"] is None else hidden.flatten(0, 1).index_select(0, inputs["index"])
+        hidden_N_D = (
+            hidden.flatten(0, 1) if inputs["index"] is None else hidden.flatten(0, 1).index_select(0, inputs["index"])
+        )
         head = self._lm.get_output_embeddings()
-        return target_logprobs(hidden_N_D, head.weight, inputs["loss"]["target_tokens"], head.bias, self.logprob_chunk_tokens, self.compile_backend)
+        return target_logprobs(
+            hidden_N_D,
+            head.weight,
+            inputs["loss"]["target_tokens"],
+            head.bias,
+            self.logprob_chunk_tokens,
+            self.compile_backend,
+        )
 
     def _autocast(self):
         return torch.autocast(self.device.type, dtype=self.dtype) if self.dtype is not None else nullcontext()
@@ -195,12 +280,19 @@ class LocalBackend(TrainingBackend):
         with self._lock, _torch_threads(self.train_threads):
             self._detach_samplers()
             groups = list(zip(self.optimizer.param_groups, self._lr_factors))
-            params = [p for g, factor in groups if factor > 0 for p in g["params"] if p.grad is not None]  # a frozen group neither moves nor counts in the norm
+            params = [
+                p for g, factor in groups if factor > 0 for p in g["params"] if p.grad is not None
+            ]  # a frozen group neither moves nor counts in the norm
             grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.tensor(0.0)
             if adam.grad_clip_norm > 0 and params:
                 torch.nn.utils.clip_grads_with_norm_(params, adam.grad_clip_norm, grad_norm)
             for group, factor in groups:
-                group.update(lr=adam.learning_rate * factor, betas=(adam.beta1, adam.beta2), eps=adam.eps, weight_decay=adam.weight_decay)
+                group.update(
+                    lr=adam.learning_rate * factor,
+                    betas=(adam.beta1, adam.beta2),
+                    eps=adam.eps,
+                    weight_decay=adam.weight_decay,
+                )
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.step += 1
@@ -246,7 +338,9 @@ class LocalBackend(TrainingBackend):
         with self._lock:
             if self._batcher is None:
                 with sampler._model() as (_, lm):
-                    self._batcher = ContinuousBatcher(lm, self.tokenizer, self.eos_token_ids, snapshot=sampler, **self._batcher_options)
+                    self._batcher = ContinuousBatcher(
+                        lm, self.tokenizer, self.eos_token_ids, snapshot=sampler, **self._batcher_options
+                    )
             return self._batcher
 
     def checkpoint_sampler(self, path: str = "") -> LocalSampler:
@@ -295,10 +389,16 @@ class LocalBackend(TrainingBackend):
         path = self.save_dir / name
         path.mkdir(parents=True, exist_ok=True)
         with self._lock:
-            save_file({n: p.detach().contiguous().cpu() for n, p in self._params.items()}, path / "trainable.safetensors")
+            save_file(
+                {n: p.detach().contiguous().cpu() for n, p in self._params.items()}, path / "trainable.safetensors"
+            )
             torch.save(self.optimizer.state_dict(), path / "optimizer.pt")
             torch.save({"step": self.step, "rng": _rng_state()}, path / "state.pt")
-            meta = {"step": self.step, "lora_rank": self.lora_rank, "trainable_parameters": sum(p.numel() for p in self._params.values())}
+            meta = {
+                "step": self.step,
+                "lora_rank": self.lora_rank,
+                "trainable_parameters": sum(p.numel() for p in self._params.values()),
+            }
             (path / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         return str(path)
 
@@ -306,7 +406,9 @@ class LocalBackend(TrainingBackend):
         weights = self._read_weights(path)
         with self._lock:
             self._set_weights(weights)
-            self.optimizer.load_state_dict(torch.load(Path(path) / "optimizer.pt", map_location=self.device, weights_only=True))
+            self.optimizer.load_state_dict(
+                torch.load(Path(path) / "optimizer.pt", map_location=self.device, weights_only=True)
+            )
             state = torch.load(Path(path) / "state.pt", weights_only=True)
             self.step = state["step"]
             _set_rng_state(state["rng"])
@@ -325,7 +427,9 @@ class LocalBackend(TrainingBackend):
             weights[self._scale_name] = torch.zeros_like(self._params[self._scale_name])
         if set(weights) != set(self._params):
             missing, extra = sorted(set(self._params) - set(weights)), sorted(set(weights) - set(self._params))
-            raise ValueError(f"{path}: trainable parameters differ from this backend's (missing {missing[:3]}, unexpected {extra[:3]}); same base model, LoRA settings and model.logit_scale?")
+            raise ValueError(
+                f"{path}: trainable parameters differ from this backend's (missing {missing[:3]}, unexpected {extra[:3]}); same base model, LoRA settings and model.logit_scale?"
+            )
         return weights
 
     def _set_weights(self, weights: dict[str, torch.Tensor]) -> None:
@@ -337,9 +441,13 @@ class LocalBackend(TrainingBackend):
 
     def export_adapter(self, path: str) -> str:
         if not isinstance(self.model, PeftModel):
-            raise NotImplementedError("full fine-tuning has no adapter to export; use save_state or the model's save_pretrained")
+            raise NotImplementedError(
+                "full fine-tuning has no adapter to export; use save_state or the model's save_pretrained"
+            )
         if self._scale_name:
-            raise NotImplementedError("a PEFT adapter cannot hold model.logit_scale; use save_state, or train with model.logit_scale=false")
+            raise NotImplementedError(
+                "a PEFT adapter cannot hold model.logit_scale; use save_state, or train with model.logit_scale=false"
+            )
         with self._lock:
             self.model.save_pretrained(path)
         return str(path)
@@ -376,14 +484,29 @@ class LocalSampler(Sampler):
     def tokenizer(self):
         return self._backend.tokenizer
 
-    def sample(self, prompt: types.ModelInput, num_samples: int, params: types.SamplingParams) -> Future[list[SampledSequence]]:
+    def sample(
+        self, prompt: types.ModelInput, num_samples: int, params: types.SamplingParams
+    ) -> Future[list[SampledSequence]]:
         b = self._backend
         if b.continuous_batching:
-            seeds = None if params.seed is None else [(params.seed + i * SEED_STRIDE) % 2**63 for i in range(num_samples)]
+            seeds = (
+                None if params.seed is None else [(params.seed + i * SEED_STRIDE) % 2**63 for i in range(num_samples)]
+            )
             return Done(self._continuous([Request(prompt.to_ints(), params)] * num_samples, seeds))
         with self._model() as (model, lm):
             context = getattr(lm.config, "max_position_embeddings", None)
-            return Done(sample_sequences(model, b.tokenizer, prompt.to_ints(), num_samples, params, b.eos_token_ids, context, static_decode=b.cuda_graph_sampling and self._merged is None))
+            return Done(
+                sample_sequences(
+                    model,
+                    b.tokenizer,
+                    prompt.to_ints(),
+                    num_samples,
+                    params,
+                    b.eos_token_ids,
+                    context,
+                    static_decode=b.cuda_graph_sampling and self._merged is None,
+                )
+            )
 
     def compute_logprobs(self, prompt: types.ModelInput) -> Future[list[float | None]]:
         tokens_T = torch.tensor(prompt.to_ints(), dtype=torch.long, device=self._backend.device)
@@ -407,7 +530,9 @@ class LocalSampler(Sampler):
 
     def _continuous(self, requests: list[Request], seeds: list[int] | None = None) -> list[SampledSequence]:
         """Answers from the backend's running batch (continuous_batching.py), with this snapshot's weights."""
-        return self._backend._continuous_batcher(self).submit_all(requests, snapshot=self, load=self._load_into, seeds=seeds)
+        return self._backend._continuous_batcher(self).submit_all(
+            requests, snapshot=self, load=self._load_into, seeds=seeds
+        )
 
     def _load_into(self, batcher: ContinuousBatcher) -> None:
         with self._model() as (_, lm):
@@ -457,7 +582,11 @@ def _microbatches(rows: list[dict], budget_tokens: int, packed: bool = False) ->
     for i in order:
         if batches:
             longest = len(rows[batches[-1][0]]["tokens"])
-            size = sum(len(rows[j]["tokens"]) for j in batches[-1]) + len(rows[i]["tokens"]) if packed else (len(batches[-1]) + 1) * longest
+            size = (
+                sum(len(rows[j]["tokens"]) for j in batches[-1]) + len(rows[i]["tokens"])
+                if packed
+                else (len(batches[-1]) + 1) * longest
+            )
             if size <= budget_tokens:
                 batches[-1].append(i)
                 continue
@@ -473,8 +602,12 @@ def _batch_inputs(rows: list[dict], packed: bool) -> dict:
         # Rotary positions restart at each datum; cu_seq_lens tells `_packed_attention` where datums begin.
         cu_seq_lens = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int32)
         model = {
-            "input_ids": torch.cat([r["tokens"] for r in rows])[None], "position_ids": torch.cat([torch.arange(n) for n in lengths])[None],
-            "cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens, "max_length_q": max(lengths), "max_length_k": max(lengths),
+            "input_ids": torch.cat([r["tokens"] for r in rows])[None],
+            "position_ids": torch.cat([torch.arange(n) for n in lengths])[None],
+            "cu_seq_lens_q": cu_seq_lens,
+            "cu_seq_lens_k": cu_seq_lens,
+            "max_length_q": max(lengths),
+            "max_length_k": max(lengths),
         }
         return {"model": model, "index": None, "loss": loss}
     length = max(lengths)
@@ -494,7 +627,9 @@ def _to_device(tree, device: torch.device):
     return tree.to(device) if isinstance(tree, torch.Tensor) else tree
 
 
-def _loss(loss_fn: str, logp_N: torch.Tensor, inputs: dict[str, torch.Tensor], config: dict[str, float]) -> torch.Tensor:
+def _loss(
+    loss_fn: str, logp_N: torch.Tensor, inputs: dict[str, torch.Tensor], config: dict[str, float]
+) -> torch.Tensor:
     """The summed loss, exactly as Tinker defines it (see base.py)."""
     if loss_fn == "cross_entropy":
         return -(inputs["weights"] * logp_N).sum()
@@ -506,7 +641,9 @@ def _loss(loss_fn: str, logp_N: torch.Tensor, inputs: dict[str, torch.Tensor], c
     return -torch.minimum(ratio_N * adv_N, ratio_N.clamp(low, high) * adv_N).sum()
 
 
-def _metrics(loss_fn: str, logp_N: torch.Tensor, inputs: dict[str, torch.Tensor], config: dict[str, float]) -> dict[str, float]:
+def _metrics(
+    loss_fn: str, logp_N: torch.Tensor, inputs: dict[str, torch.Tensor], config: dict[str, float]
+) -> dict[str, float]:
     if loss_fn == "cross_entropy" or len(logp_N) == 0:
         return {}
     # Only the tokens that carry an advantage were sampled; prompts and observations have logprob 0 and no say.
@@ -514,7 +651,10 @@ def _metrics(loss_fn: str, logp_N: torch.Tensor, inputs: dict[str, torch.Tensor]
     if not active.any():
         return {}
     ratio_N = torch.exp(logp_N - inputs["logprobs"])[active]
-    metrics = {"ratio_mean": float(ratio_N.mean()), "sampler_minus_train_logp": float((inputs["logprobs"][active] - logp_N[active]).mean())}
+    metrics = {
+        "ratio_mean": float(ratio_N.mean()),
+        "sampler_minus_train_logp": float((inputs["logprobs"][active] - logp_N[active]).mean()),
+    }
     if loss_fn == "ppo":
         low, high = config.get("clip_low_threshold", 0.8), config.get("clip_high_threshold", 1.2)
         metrics["clip_fraction"] = float(((ratio_N < low) | (ratio_N > high)).float().mean())
@@ -523,8 +663,14 @@ def _metrics(loss_fn: str, logp_N: torch.Tensor, inputs: dict[str, torch.Tensor]
 
 def _check_plain_lm_head(config) -> None:
     # The chunked logprobs apply the LM head as a plain linear map.
-    if getattr(config, "final_logit_softcapping", None) or getattr(config, "logits_scaling", 1) != 1 or getattr(config, "logit_scale", 1) != 1:
-        raise ValueError(f"{type(config).__name__}: soft-capped or scaled logits are not supported by the local backend")
+    if (
+        getattr(config, "final_logit_softcapping", None)
+        or getattr(config, "logits_scaling", 1) != 1
+        or getattr(config, "logit_scale", 1) != 1
+    ):
+        raise ValueError(
+            f"{type(config).__name__}: soft-capped or scaled logits are not supported by the local backend"
+        )
 
 
 def _as_list(x) -> list:

@@ -48,7 +48,9 @@ def _cast_weights(model, frozen: torch.dtype, trainable: torch.dtype) -> None:
         target = trainable if p.requires_grad else frozen
         if p.is_floating_point() and p.dtype != target:
             p.data = p.data.to(target)
-    for m in model.modules():  # peft casts each LoRA input to its fp32 weight's dtype; autocast makes that a wasted pass
+    for (
+        m
+    ) in model.modules():  # peft casts each LoRA input to its fp32 weight's dtype; autocast makes that a wasted pass
         if hasattr(m, "cast_input_dtype_enabled"):
             m.cast_input_dtype_enabled = False
 
@@ -59,7 +61,9 @@ def _compile_layers(lm, backend: str) -> None:
     if layers is None:
         raise ValueError(f"compile_backend: {type(lm).__name__}'s decoder has no `layers` to compile")
     for layer in layers:
-        layer.forward = functools.partial(_forward_compiled_with_grad, layer.forward, torch.compile(layer.forward, backend=backend))
+        layer.forward = functools.partial(
+            _forward_compiled_with_grad, layer.forward, torch.compile(layer.forward, backend=backend)
+        )
 
 
 def _forward_compiled_with_grad(eager, compiled, *args, **kwargs):
@@ -95,19 +99,39 @@ def _attention_implementation(lm, name: str | None):
             lm.set_attn_implementation(previous)
 
 
-def _packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, cu_seq_lens_q=None, max_length_q=None, **kwargs):
+def _packed_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    scaling=None,
+    dropout=0.0,
+    cu_seq_lens_q=None,
+    max_length_q=None,
+    **kwargs,
+):
     """A transformers attention function: causal attention within each datum of one packed row [1, H, T, d]."""
     if cu_seq_lens_q is None:  # nothing packed (sampling, one prompt): plain SDPA
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
     groups = query.shape[1] // key.shape[1]  # GQA: each K/V head serves `groups` query heads
     q_H_T_d, k_H_T_d, v_H_T_d = query[0], key[0].repeat_interleave(groups, 0), value[0].repeat_interleave(groups, 0)
     if query.is_cuda and _varlen_attn() is not None:
         varlen, causal = _varlen_attn()
         q_T_H_d, k_T_H_d, v_T_H_d = (t.transpose(0, 1).contiguous() for t in (q_H_T_d, k_H_T_d, v_H_T_d))
-        out_T_H_d = varlen(q_T_H_d, k_T_H_d, v_T_H_d, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, scale=scaling, **causal)
+        out_T_H_d = varlen(
+            q_T_H_d, k_T_H_d, v_T_H_d, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, scale=scaling, **causal
+        )
     else:
         bounds = cu_seq_lens_q.tolist()
-        parts = [torch.nn.functional.scaled_dot_product_attention(q_H_T_d[:, s:e], k_H_T_d[:, s:e], v_H_T_d[:, s:e], is_causal=True, scale=scaling) for s, e in zip(bounds, bounds[1:])]
+        parts = [
+            torch.nn.functional.scaled_dot_product_attention(
+                q_H_T_d[:, s:e], k_H_T_d[:, s:e], v_H_T_d[:, s:e], is_causal=True, scale=scaling
+            )
+            for s, e in zip(bounds, bounds[1:])
+        ]
         out_T_H_d = torch.cat(parts, dim=1).transpose(0, 1)
     return out_T_H_d[None], None
 

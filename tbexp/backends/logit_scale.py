@@ -41,7 +41,9 @@ def add_logit_scale(lm) -> None:
     """Wrap the final norm of causal LM `lm`'s decoder in place."""
     decoder = lm.get_decoder()
     if not isinstance(getattr(decoder, "norm", None), torch.nn.Module):
-        raise ValueError(f"model.logit_scale needs a decoder with a final `norm` module; {type(decoder).__name__} has none: set model.logit_scale=false")
+        raise ValueError(
+            f"model.logit_scale needs a decoder with a final `norm` module; {type(decoder).__name__} has none: set model.logit_scale=false"
+        )
     if not isinstance(decoder.norm, ScaledNorm):
         decoder.norm = ScaledNorm(decoder.norm)
 

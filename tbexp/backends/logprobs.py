@@ -34,10 +34,19 @@ def default_chunk_size(vocab_size: int) -> int:
     return max(1, CHUNK_ELEMENTS // vocab_size)
 
 
-def target_logprobs(hidden_N_D: torch.Tensor, weight_V_D: torch.Tensor, targets_N: torch.Tensor, bias_V: torch.Tensor | None = None, chunk_size: int | None = None, compile_backend: str | None = None) -> torch.Tensor:
+def target_logprobs(
+    hidden_N_D: torch.Tensor,
+    weight_V_D: torch.Tensor,
+    targets_N: torch.Tensor,
+    bias_V: torch.Tensor | None = None,
+    chunk_size: int | None = None,
+    compile_backend: str | None = None,
+) -> torch.Tensor:
     """logp of `targets_N` under softmax(hidden @ weight.T + bias), differentiable in hidden, weight and bias."""
     if hidden_N_D.ndim != 2 or targets_N.shape != hidden_N_D.shape[:1]:
-        raise ValueError(f"expected hidden [N, D] and targets [N], got {tuple(hidden_N_D.shape)} and {tuple(targets_N.shape)}")
+        raise ValueError(
+            f"expected hidden [N, D] and targets [N], got {tuple(hidden_N_D.shape)} and {tuple(targets_N.shape)}"
+        )
     chunk = chunk_size or default_chunk_size(weight_V_D.shape[0])
     # The head runs in the hidden states' dtype (bf16 activations against an fp32 head under autocast, say).
     weight_V_D, bias_V = weight_V_D.to(hidden_N_D.dtype), bias_V.to(hidden_N_D.dtype) if bias_V is not None else None
@@ -45,7 +54,9 @@ def target_logprobs(hidden_N_D: torch.Tensor, weight_V_D: torch.Tensor, targets_
     return _ChunkedTargetLogprobs.apply(hidden_N_D, weight_V_D, bias_V, targets_N.long(), chunk, fused)
 
 
-def naive_target_logprobs(hidden_N_D: torch.Tensor, weight_V_D: torch.Tensor, targets_N: torch.Tensor, bias_V: torch.Tensor | None = None) -> torch.Tensor:
+def naive_target_logprobs(
+    hidden_N_D: torch.Tensor, weight_V_D: torch.Tensor, targets_N: torch.Tensor, bias_V: torch.Tensor | None = None
+) -> torch.Tensor:
     """The reference: full logits, `log_softmax`, `gather` (for tests and the benchmark)."""
     logits_N_V = torch.nn.functional.linear(hidden_N_D, weight_V_D, bias_V).to(_acc_dtype(hidden_N_D))
     return torch.log_softmax(logits_N_V, dim=-1).gather(1, targets_N.long()[:, None]).squeeze(1)
@@ -75,7 +86,9 @@ def _dlogits(logits_C_V: torch.Tensor, lse_C: torch.Tensor, g_C: torch.Tensor, t
 
 @functools.cache
 def _fused_softmax(backend: str):
-    return torch.compile(_logp_and_lse, backend=backend, dynamic=True), torch.compile(_dlogits, backend=backend, dynamic=True)
+    return torch.compile(_logp_and_lse, backend=backend, dynamic=True), torch.compile(
+        _dlogits, backend=backend, dynamic=True
+    )
 
 
 class _ChunkedTargetLogprobs(torch.autograd.Function):
@@ -108,9 +121,15 @@ class _ChunkedTargetLogprobs(torch.autograd.Function):
         grad_b = torch.zeros(weight_V_D.shape[0], dtype=acc, device=weight_V_D.device) if need_b else None
         grad_N = grad_N.to(acc)
         for s in range(0, hidden_N_D.shape[0], ctx.chunk):
-            h_C_D, g_C, t_C = hidden_N_D[s : s + ctx.chunk], grad_N[s : s + ctx.chunk, None], targets_N[s : s + ctx.chunk, None]
+            h_C_D, g_C, t_C = (
+                hidden_N_D[s : s + ctx.chunk],
+                grad_N[s : s + ctx.chunk, None],
+                targets_N[s : s + ctx.chunk, None],
+            )
             if ctx.fused:
-                dlogits_C_V = ctx.fused[1](torch.nn.functional.linear(h_C_D, weight_V_D), lse_N[s : s + ctx.chunk], g_C[:, 0], t_C[:, 0])
+                dlogits_C_V = ctx.fused[1](
+                    torch.nn.functional.linear(h_C_D, weight_V_D), lse_N[s : s + ctx.chunk], g_C[:, 0], t_C[:, 0]
+                )
                 if need_h:
                     grad_h[s : s + ctx.chunk] = dlogits_C_V @ weight_V_D
                 if need_w:

@@ -69,7 +69,16 @@ def resolve_stops(stop: str | Sequence[str] | Sequence[int] | None, eos_token_id
 
 
 @torch.no_grad()
-def sample_sequences(model, tokenizer, prompt_tokens: list[int], num_samples: int, params: types.SamplingParams, eos_token_ids: Sequence[int], max_context_tokens: int | None = None, static_decode: bool = False) -> list[SampledSequence]:
+def sample_sequences(
+    model,
+    tokenizer,
+    prompt_tokens: list[int],
+    num_samples: int,
+    params: types.SamplingParams,
+    eos_token_ids: Sequence[int],
+    max_context_tokens: int | None = None,
+    static_decode: bool = False,
+) -> list[SampledSequence]:
     """Sample `num_samples` sequences; the caller puts the model in eval mode and holds its weights fixed."""
     if not prompt_tokens:
         raise ValueError("an empty prompt has no position to sample from")
@@ -89,7 +98,19 @@ def sample_sequences(model, tokenizer, prompt_tokens: list[int], num_samples: in
     cache_kw = {_cache_kwarg(lm): cache}
     out = model(input_ids=torch.tensor([prompt_tokens], device=device), use_cache=True, logits_to_keep=1, **cache_kw)
     if static_decode:
-        return _static_decode(model, lm, cache, out.logits[:, -1], len(prompt_tokens), num_samples, max(max_tokens, 0), params, stops, tokenizer, generator)
+        return _static_decode(
+            model,
+            lm,
+            cache,
+            out.logits[:, -1],
+            len(prompt_tokens),
+            num_samples,
+            max(max_tokens, 0),
+            params,
+            stops,
+            tokenizer,
+            generator,
+        )
     cache.batch_repeat_interleave(num_samples)
     logits_B_V = out.logits[:, -1].expand(num_samples, -1)
 
@@ -122,12 +143,27 @@ def sample_sequences(model, tokenizer, prompt_tokens: list[int], num_samples: in
     return [SampledSequence(tokens=t, logprobs=lp, stop_reason=r) for t, lp, r in zip(tokens, logprobs, reasons)]
 
 
-def _static_decode(model, lm, prompt_cache: DynamicCache, logits_1_V: torch.Tensor, prompt_len: int, num_samples: int, max_tokens: int, params: types.SamplingParams, stops: Stops, tokenizer, generator) -> list[SampledSequence]:
+def _static_decode(
+    model,
+    lm,
+    prompt_cache: DynamicCache,
+    logits_1_V: torch.Tensor,
+    prompt_len: int,
+    num_samples: int,
+    max_tokens: int,
+    params: types.SamplingParams,
+    stops: Stops,
+    tokenizer,
+    generator,
+) -> list[SampledSequence]:
     """The decode loop over a whole batch and a static cache, graph-replayed on CUDA (see the module docstring)."""
     device = logits_1_V.device
     cache = StaticCache(config=lm.config, max_cache_len=prompt_len + max_tokens)
     for static, prompt in zip(cache.layers, prompt_cache.layers):
-        static.update(prompt.keys.expand(num_samples, -1, -1, -1).contiguous(), prompt.values.expand(num_samples, -1, -1, -1).contiguous())
+        static.update(
+            prompt.keys.expand(num_samples, -1, -1, -1).contiguous(),
+            prompt.values.expand(num_samples, -1, -1, -1).contiguous(),
+        )
     del prompt_cache
     tokens_B_1 = torch.zeros(num_samples, 1, dtype=torch.long, device=device)  # the graph's inputs, refilled each step
     positions_B_1 = torch.zeros_like(tokens_B_1)
@@ -137,8 +173,13 @@ def _static_decode(model, lm, prompt_cache: DynamicCache, logits_1_V: torch.Tens
         return model(input_ids=tokens_B_1, position_ids=positions_B_1, use_cache=True, **cache_kw).logits[:, -1]
 
     on_gpu = device.type == "cuda"
-    autocast = torch.autocast(device.type, dtype=torch.get_autocast_dtype(device.type), cache_enabled=False) if torch.is_autocast_enabled(device.type) else nullcontext()
+    autocast = (
+        torch.autocast(device.type, dtype=torch.get_autocast_dtype(device.type), cache_enabled=False)
+        if torch.is_autocast_enabled(device.type)
+        else nullcontext()
+    )
     graph, logits_B_V = None, logits_1_V.expand(num_samples, -1)
+    graph_logits_B_V = logits_B_V  # the captured output buffer, once a graph exists
     tokens, logprobs = [[] for _ in range(num_samples)], [[] for _ in range(num_samples)]
     reasons, done = ["length"] * num_samples, [False] * num_samples
     for t in range(max_tokens):
@@ -182,7 +223,9 @@ def _capture(step):
         with torch.cuda.graph(graph):
             out = step()
     except RuntimeError as e:
-        warnings.warn(f"static decode runs eagerly: the forward pass could not be captured in a CUDA graph ({e})", stacklevel=3)
+        warnings.warn(
+            f"static decode runs eagerly: the forward pass could not be captured in a CUDA graph ({e})", stacklevel=3
+        )
         return None, None
     return graph, out
 

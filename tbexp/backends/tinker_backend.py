@@ -11,7 +11,6 @@ Checkpoints are `tinker://` URIs; a run resumes from one with its optimizer.
 
 from __future__ import annotations
 
-from tbexp.errors import TbexpError
 import os
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -19,6 +18,7 @@ from typing import Any, Callable
 from tinker import types
 
 from tbexp.backends.base import LOSSES, ForwardBackwardResult, Future, SampledSequence, Sampler, TrainingBackend
+from tbexp.errors import TbexpError
 
 ATTENTION = {"q_proj", "k_proj", "v_proj", "o_proj"}
 MLP = {"gate_proj", "up_proj", "down_proj", "mlp", "experts"}
@@ -40,34 +40,61 @@ class _Mapped:
 
 
 class TinkerBackend(TrainingBackend):
-    def __init__(self, base_model: str, *, lora_rank: int, lora_dropout: float = 0.0, lora_targets: list[str] | None = None, logit_scale: bool = False, seed: int = 0, base_url: str = "", load_checkpoint: str = "", service_client: Any = None):
+    def __init__(
+        self,
+        base_model: str,
+        *,
+        lora_rank: int,
+        lora_dropout: float = 0.0,
+        lora_targets: list[str] | None = None,
+        logit_scale: bool = False,
+        seed: int = 0,
+        base_url: str = "",
+        load_checkpoint: str = "",
+        service_client: Any = None,
+    ):
         if lora_rank <= 0:
             raise BackendError("backend=tinker trains LoRA adapters only: set model.lora_rank > 0")
         if lora_dropout:
             raise BackendError(f"backend=tinker has no LoRA dropout: set model.lora_dropout=0 (got {lora_dropout})")
         if logit_scale:
-            raise BackendError("backend=tinker trains LoRA adapters only, not a logit scale: set model.logit_scale=false")
+            raise BackendError(
+                "backend=tinker trains LoRA adapters only, not a logit scale: set model.logit_scale=false"
+            )
         targets = set(lora_targets or ATTENTION | MLP)
         unknown = targets - ATTENTION - MLP - {"lm_head", "unembed"}
         if unknown:
-            raise BackendError(f"backend=tinker chooses LoRA modules only as attention / MLP / unembedding; cannot target {sorted(unknown)}")
+            raise BackendError(
+                f"backend=tinker chooses LoRA modules only as attention / MLP / unembedding; cannot target {sorted(unknown)}"
+            )
         if service_client is None:
             service_client = _connect(base_url)
         if load_checkpoint.startswith("tinker://"):
             self.client = service_client.create_training_client_from_state_with_optimizer(load_checkpoint).result()
         else:
             self.client = service_client.create_lora_training_client(
-                base_model, rank=lora_rank, seed=seed, train_attn=bool(targets & ATTENTION), train_mlp=bool(targets & MLP), train_unembed=bool(targets & {"lm_head", "unembed"}) or lora_targets is None
+                base_model,
+                rank=lora_rank,
+                seed=seed,
+                train_attn=bool(targets & ATTENTION),
+                train_mlp=bool(targets & MLP),
+                train_unembed=bool(targets & {"lm_head", "unembed"}) or lora_targets is None,
             ).result()
         self.tokenizer = self.client.get_tokenizer()
 
-    def forward_backward(self, data: list[types.Datum], loss_fn: str, loss_fn_config: dict[str, float] | None = None) -> Future[ForwardBackwardResult]:
+    def forward_backward(
+        self, data: list[types.Datum], loss_fn: str, loss_fn_config: dict[str, float] | None = None
+    ) -> Future[ForwardBackwardResult]:
         if loss_fn not in LOSSES:
             raise ValueError(f"loss_fn={loss_fn!r}: choose one of {LOSSES}")
         n_tokens = sum(_n_tokens(d, loss_fn) for d in data)
-        return _Mapped(self.client.forward_backward(data, loss_fn, loss_fn_config), lambda out: _fb_result(out, n_tokens))
+        return _Mapped(
+            self.client.forward_backward(data, loss_fn, loss_fn_config), lambda out: _fb_result(out, n_tokens)
+        )
 
-    def forward(self, data: list[types.Datum], loss_fn: str, loss_fn_config: dict[str, float] | None = None) -> Future[ForwardBackwardResult]:
+    def forward(
+        self, data: list[types.Datum], loss_fn: str, loss_fn_config: dict[str, float] | None = None
+    ) -> Future[ForwardBackwardResult]:
         n_tokens = sum(_n_tokens(d, loss_fn) for d in data)
         return _Mapped(self.client.forward(data, loss_fn, loss_fn_config), lambda out: _fb_result(out, n_tokens))
 
@@ -102,8 +129,14 @@ def sampling_client(service_client: Any, base_model: str, checkpoint: str = "") 
     if not checkpoint:
         return TinkerSampler(service_client.create_sampling_client(base_model=base_model).result())
     if not checkpoint.startswith("tinker://") or "/weights/" not in checkpoint:
-        raise BackendError(f"backend=tinker samples from tinker://…/weights/… checkpoints (saved by save_state), not {checkpoint!r}")
-    return TinkerSampler(service_client.create_sampling_client(model_path=checkpoint.replace("/weights/", "/sampler_weights/", 1)).result())
+        raise BackendError(
+            f"backend=tinker samples from tinker://…/weights/… checkpoints (saved by save_state), not {checkpoint!r}"
+        )
+    return TinkerSampler(
+        service_client.create_sampling_client(
+            model_path=checkpoint.replace("/weights/", "/sampler_weights/", 1)
+        ).result()
+    )
 
 
 class TinkerSampler(Sampler):
@@ -114,9 +147,13 @@ class TinkerSampler(Sampler):
     def tokenizer(self) -> Any:
         return self.client.get_tokenizer()
 
-    def sample(self, prompt: types.ModelInput, num_samples: int, params: types.SamplingParams) -> Future[list[SampledSequence]]:
+    def sample(
+        self, prompt: types.ModelInput, num_samples: int, params: types.SamplingParams
+    ) -> Future[list[SampledSequence]]:
         def convert(response: Any) -> list[SampledSequence]:
-            return [SampledSequence(list(s.tokens), list(s.logprobs or []), str(s.stop_reason)) for s in response.sequences]
+            return [
+                SampledSequence(list(s.tokens), list(s.logprobs or []), str(s.stop_reason)) for s in response.sequences
+            ]
 
         return _Mapped(self.client.sample(prompt=prompt, num_samples=num_samples, sampling_params=params), convert)
 
@@ -126,7 +163,9 @@ class TinkerSampler(Sampler):
 
 def _connect(base_url: str) -> Any:
     if not os.environ.get("TINKER_API_KEY"):
-        raise BackendError("backend=tinker needs TINKER_API_KEY: export TINKER_API_KEY=tml-... (from the Tinker console), or use backend=local")
+        raise BackendError(
+            "backend=tinker needs TINKER_API_KEY: export TINKER_API_KEY=tml-... (from the Tinker console), or use backend=local"
+        )
     import tinker
 
     return tinker.ServiceClient(base_url=base_url or None)

@@ -12,9 +12,10 @@ minute first).
 
 from __future__ import annotations
 
-from tbexp.errors import TbexpError
 from pathlib import Path
 from typing import Any
+
+from tbexp.errors import TbexpError
 
 TINY_DIR = Path(__file__).resolve().parent / "tiny"
 
@@ -31,7 +32,9 @@ def resolve_model_path(model_settings: Any) -> str:
         if not (TINY_DIR / "config.json").is_file():
             raise ModelLoadError(f"{TINY_DIR} holds no model; build it with `python scripts/build_tiny_model.py`")
         return str(TINY_DIR)
-    raise ModelLoadError(f"model.name={model_settings.name!r} has no model.path; set model.path to a Hugging Face id or a local directory")
+    raise ModelLoadError(
+        f"model.name={model_settings.name!r} has no model.path; set model.path to a Hugging Face id or a local directory"
+    )
 
 
 def load_model(model_settings: Any, device: str = "cpu") -> tuple[Any, Any]:

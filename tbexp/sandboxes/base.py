@@ -10,12 +10,12 @@ crash are all part of the `ExecResult`), only for a broken sandbox
 
 from __future__ import annotations
 
-from tbexp.errors import TbexpError
 import abc
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tbexp.errors import TbexpError
 from tbexp.tasks.harbor_task import Task
 
 TIMEOUT_EXIT = 124  # what coreutils' timeout(1) returns; used for every kill on time-out

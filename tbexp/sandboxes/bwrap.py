@@ -63,7 +63,11 @@ class BwrapSandbox(Sandbox):
         self.mounted = _mount_tmpfs(self.work, s.disk_mb)
         self.writable = WRITABLE
         home = os.path.normpath(self.env.home)
-        if self.env.uid and (self.rootfs / home.lstrip("/")).is_dir() and not any(home == w or home.startswith(w + "/") for w in WRITABLE):
+        if (
+            self.env.uid
+            and (self.rootfs / home.lstrip("/")).is_dir()
+            and not any(home == w or home.startswith(w + "/") for w in WRITABLE)
+        ):
             self.writable = (*WRITABLE, home)  # a USER's home is writable too, as in its container
         for path in self.writable:
             (self.work / path.lstrip("/")).mkdir(mode=0o755 if path != "/tmp" else 0o1777, parents=True)
@@ -84,7 +88,9 @@ class BwrapSandbox(Sandbox):
         argv = [*self._join_cgroup(), *self._rlimits(), *self._bwrap_argv(), "bash", "-c", command]
         started = time.monotonic()
         try:
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+            )
         except OSError as err:
             raise SandboxError(f"cannot start bwrap: {err}") from err
         output, timed_out, truncated = _read_capped(proc, timeout_s, self.settings.output_limit_bytes, self._kill)
@@ -135,9 +141,22 @@ class BwrapSandbox(Sandbox):
             argv += ["--bind", str(self.work / path.lstrip("/")), path]
         for host, path in self.provision.mounts if self.provision else []:
             argv += ["--ro-bind", str(host), path]
-        argv += ["--proc", "/proc", "--dev", "/dev", "--unshare-all", "--unshare-user", "--uid", str(self.env.uid), "--gid", str(self.env.gid)]
+        argv += [
+            "--proc",
+            "/proc",
+            "--dev",
+            "/dev",
+            "--unshare-all",
+            "--unshare-user",
+            "--uid",
+            str(self.env.uid),
+            "--gid",
+            str(self.env.gid),
+        ]
         if self.task.network_mode == "public" and self.settings.allow_network:
-            argv.append("--share-net")  # the task allows the network; "allowlist" cannot be enforced here, so it has none
+            argv.append(
+                "--share-net"
+            )  # the task allows the network; "allowlist" cannot be enforced here, so it has none
         argv += ["--die-with-parent", "--new-session", "--chdir", self.workdir, "--clearenv"]
         env = {"PATH": PATH, "HOME": self.env.home, "LANG": "C.UTF-8", "TERM": "xterm", **self.env.env}
         for key, value in env.items():
@@ -237,7 +256,9 @@ def _mount_tmpfs(path: Path, size_mb: int) -> bool:
     """A private tmpfs so the sandbox's disk use is capped; plain directory when not root."""
     if os.geteuid() != 0:
         return False
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m,mode=755", "tbexp-sandbox", str(path)], capture_output=True)
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size_mb}m,mode=755", "tbexp-sandbox", str(path)], capture_output=True
+    )
     return result.returncode == 0
 
 

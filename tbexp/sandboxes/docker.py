@@ -112,7 +112,9 @@ class DockerSandbox(Sandbox):
         except ENGINE_ERRORS as err:
             raise SandboxError(f"cannot exec in container {self.id}: {err}") from err
         kills: list[str | None] = []
-        output, status, timed_out, truncated = _read_exec(sock, started + timeout_s, limit, lambda: kills.append(self._start_kill()))
+        output, status, timed_out, truncated = _read_exec(
+            sock, started + timeout_s, limit, lambda: kills.append(self._start_kill())
+        )
         if timed_out:
             code = TIMEOUT_EXIT
         elif truncated:
@@ -125,7 +127,9 @@ class DockerSandbox(Sandbox):
         for kill_id in kills:  # the next exec must not start before the clean-up is done
             if kill_id:
                 self._wait_exec(kill_id)
-        return ExecResult(output[:limit].decode(errors="replace"), code, timed_out, truncated, time.monotonic() - started)
+        return ExecResult(
+            output[:limit].decode(errors="replace"), code, timed_out, truncated, time.monotonic() - started
+        )
 
     def upload(self, local: Path, remote: str) -> None:
         local = Path(local)

@@ -58,7 +58,9 @@ def _client() -> docker.APIClient:
                 api = docker.APIClient(version="auto", max_pool_size=64, timeout=300, **docker.utils.kwargs_from_env())
                 api.ping()
             except ENGINE_ERRORS as err:
-                raise SandboxError(f"cannot reach the Docker engine ({err}); start it with scripts/start_dockerd.sh") from err
+                raise SandboxError(
+                    f"cannot reach the Docker engine ({err}); start it with scripts/start_dockerd.sh"
+                ) from err
             _clients[pid] = api
         return _clients[pid]
 
@@ -92,7 +94,14 @@ def _ensure_image(api: docker.APIClient, task, settings) -> str:
             base = prebuilt or f"{tag}-dockerfile"
             if not prebuilt:
                 _build(api, dict(path=str(env_dir)), base, task.name, timeout_s, dockerfile)
-            _build(api, dict(fileobj=_with_tools(base, api)), tag, task.name, timeout_s, f"{dockerfile} (adding tmux, python3, bash)")
+            _build(
+                api,
+                dict(fileobj=_with_tools(base, api)),
+                tag,
+                task.name,
+                timeout_s,
+                f"{dockerfile} (adding tmux, python3, bash)",
+            )
         except EnvironmentBuildError as err:
             _failed[tag] = err
             raise
@@ -105,7 +114,16 @@ def _build(api: docker.APIClient, source: dict, tag: str, task_name: str, timeou
     lines: list[str] = []
     try:
         # timeout: the engine's silence for longer than this ends the build
-        events = api.build(**source, tag=tag, network_mode="host", rm=True, forcerm=True, decode=True, timeout=timeout_s, labels={"tbexp.task": task_name})
+        events = api.build(
+            **source,
+            tag=tag,
+            network_mode="host",
+            rm=True,
+            forcerm=True,
+            decode=True,
+            timeout=timeout_s,
+            labels={"tbexp.task": task_name},
+        )
         for event in events:
             lines += re.sub(r"\x1b\[[0-9;]*m", "", event.get("stream", "")).splitlines()  # no colour codes
             if "error" in event:
@@ -131,16 +149,22 @@ def export_image(api: docker.APIClient, image: str, dest: Path) -> None:
 
     dest.mkdir(parents=True, exist_ok=True)
     try:
-        container = api.create_container(image, command=["true"], network_disabled=True, labels={"tbexp.export": "1"})["Id"]
+        container = api.create_container(image, command=["true"], network_disabled=True, labels={"tbexp.export": "1"})[
+            "Id"
+        ]
     except ENGINE_ERRORS as err:
         raise EnvironmentBuildError(f"cannot export {image}: {err}") from err
     try:
-        tar = subprocess.Popen(["tar", "-x", "--numeric-owner", "-C", str(dest)], stdin=subprocess.PIPE, stderr=subprocess.PIPE)
+        tar = subprocess.Popen(
+            ["tar", "-x", "--numeric-owner", "-C", str(dest)], stdin=subprocess.PIPE, stderr=subprocess.PIPE
+        )
         for chunk in api.export(container):
             tar.stdin.write(chunk)
         tar.stdin.close()
         if tar.wait() != 0:
-            raise EnvironmentBuildError(f"cannot export {image}: tar: {tar.stderr.read().decode(errors='replace')[-500:]}")
+            raise EnvironmentBuildError(
+                f"cannot export {image}: tar: {tar.stderr.read().decode(errors='replace')[-500:]}"
+            )
     except ENGINE_ERRORS as err:
         raise EnvironmentBuildError(f"cannot export {image}: {err}") from err
     finally:
@@ -163,7 +187,9 @@ def _prebuilt_hash(api: docker.APIClient, image: str, task) -> str:
     try:
         return "img-" + api.inspect_image(image)["Id"].split(":")[-1][:16]
     except docker.errors.ImageNotFound as err:
-        raise EnvironmentBuildError(f"{task.path / 'task.toml'}: docker_image {image} is not on this engine and no registry can be reached; {STAND_INS}") from err
+        raise EnvironmentBuildError(
+            f"{task.path / 'task.toml'}: docker_image {image} is not on this engine and no registry can be reached; {STAND_INS}"
+        ) from err
     except ENGINE_ERRORS as err:
         raise SandboxError(f"cannot reach the Docker engine: {err}") from err
 
@@ -185,7 +211,9 @@ def _content_hash(api: docker.APIClient, env_dir: Path, base_image: str) -> str:
             h.update(api.inspect_image(image)["Id"].encode())
         except docker.errors.ImageNotFound as err:
             hint = "run scripts/build_base_image.sh" if image == base_image else STAND_INS
-            raise EnvironmentBuildError(f"{dockerfile}: FROM {image}, which this engine lacks and no registry can give; {hint}") from err
+            raise EnvironmentBuildError(
+                f"{dockerfile}: FROM {image}, which this engine lacks and no registry can give; {hint}"
+            ) from err
         except ENGINE_ERRORS as err:
             raise SandboxError(f"cannot reach the Docker engine: {err}") from err
     return h.hexdigest()[:16]

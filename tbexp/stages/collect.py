@@ -34,7 +34,11 @@ class Trajectories:
 def run(job: Any) -> dict[str, float]:
     cfg = job.cfg
     path = Path(cfg.collect.data) if cfg.collect.data else job.run_dir / "trajectories.jsonl"
-    runtime = job.models.runtime(job.models.sampler(cfg.load_checkpoint), cfg.sampling, None) if cfg.policy == "model" else None
+    runtime = (
+        job.models.runtime(job.models.sampler(cfg.load_checkpoint), cfg.sampling, None)
+        if cfg.policy == "model"
+        else None
+    )
     metrics = collect(job, job.tasks("sft"), cfg.policy, path, runtime).metrics
     tracker = job.tracker(job.run_dir)
     tracker.log(metrics)
@@ -48,16 +52,29 @@ def collect(job: Any, tasks: list, policy: str, path: Path, runtime: Any = None)
     c = job.cfg.collect
     episodes = run_policy(job, tasks, c.n_runs, c.concurrency, policy, runtime, desc=f"collect {policy}")
     kept = sorted((ep for ep in episodes if not ep.invalid and ep.report.strict), key=lambda ep: (ep.task.name, ep.run))
-    rows = [{"task": ep.task.name, "family": ep.task.family, "agent": job.cfg.agent.name, "policy": policy, "reward": 1.0, "messages": ep.messages} for ep in kept]
+    rows = [
+        {
+            "task": ep.task.name,
+            "family": ep.task.family,
+            "agent": job.cfg.agent.name,
+            "policy": policy,
+            "reward": 1.0,
+            "messages": ep.messages,
+        }
+        for ep in kept
+    ]
     path.parent.mkdir(parents=True, exist_ok=True)
     write_conversations(path, rows)
     print(f"kept {len(kept)} of {len(episodes)} episodes (verified strict successes) -> {path}")
-    return Trajectories(path, {
-        "collect/episodes": float(len(episodes)),
-        "collect/kept": float(len(kept)),
-        "collect/success_rate": len(kept) / len(episodes) if episodes else 0.0,
-        "collect/invalid_episodes": float(sum(1 for ep in episodes if ep.invalid)),
-    })
+    return Trajectories(
+        path,
+        {
+            "collect/episodes": float(len(episodes)),
+            "collect/kept": float(len(kept)),
+            "collect/success_rate": len(kept) / len(episodes) if episodes else 0.0,
+            "collect/invalid_episodes": float(sum(1 for ep in episodes if ep.invalid)),
+        },
+    )
 
 
 def oracle_trajectories(job: Any) -> Path:
@@ -65,7 +82,9 @@ def oracle_trajectories(job: Any) -> Path:
     cfg = job.cfg
     tasks = job.tasks("sft")
     names = [t.name for t in tasks]
-    key = hashlib.sha256(json.dumps([names, cfg.agent.name, str(cfg.tasks.path), cfg.tasks.seed]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(json.dumps([names, cfg.agent.name, str(cfg.tasks.path), cfg.tasks.seed]).encode()).hexdigest()[
+        :16
+    ]
     path = job.cache_dir / "trajectories" / f"oracle-{cfg.agent.name}-{len(names)}tasks-{key}.jsonl"
     if not path.exists():
         collect(job, tasks, "oracle", path)

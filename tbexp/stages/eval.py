@@ -27,7 +27,13 @@ from tbexp.tracking import write_summary
 log = logging.getLogger(__name__)
 POLICY_NAMES = (*POLICIES, "model")  # an eval.candidates entry that is not one of these is a checkpoint
 # The numbers a held-out row is judged by, in the order tables show them, with their names in a table's head.
-ROW_METRICS = {"eval/strict_success": "strict success", "eval/reward": "per-test reward", "eval/pass@1": "pass@1", "eval/valid_command_rate": "valid-command rate", "eval/avg_turns": "avg turns"}
+ROW_METRICS = {
+    "eval/strict_success": "strict success",
+    "eval/reward": "per-test reward",
+    "eval/pass@1": "pass@1",
+    "eval/valid_command_rate": "valid-command rate",
+    "eval/avg_turns": "avg turns",
+}
 
 
 def run(job: Any) -> dict[str, float]:
@@ -56,7 +62,9 @@ def compare(rows: dict[str, dict[str, float]]) -> str:
     lines = [f"{'':26}" + "".join(f" {name:>{width}}" for name in rows)]
     for k in keys:
         lines.append(f"{k:26}" + "".join(f" {m[k]:>{width}.3f}" for m in rows.values()))
-    lines.append(f"{'eval/pass@1 stderr':26}" + "".join(f" {m['eval/pass@1_stderr']:>{width}.3f}" for m in rows.values()))
+    lines.append(
+        f"{'eval/pass@1 stderr':26}" + "".join(f" {m['eval/pass@1_stderr']:>{width}.3f}" for m in rows.values())
+    )
     return "\n".join(lines)
 
 
@@ -70,7 +78,9 @@ def _compare_candidates(job: Any, out: Path) -> dict[str, float]:
         if candidate in POLICY_NAMES and candidate != "model":
             rows[label] = evaluate(job, folder, candidate, label=label, quiet=True)
         else:  # "model" is the base model
-            rows[label] = evaluate_checkpoint(job, folder, "" if candidate == "model" else candidate, label=label, quiet=True)
+            rows[label] = evaluate_checkpoint(
+                job, folder, "" if candidate == "model" else candidate, label=label, quiet=True
+            )
     verdict = promotion(rows, cfg.eval.promote_by, cfg.eval.promote_margin)
     print(compare(rows))
     print(verdict["message"])
@@ -92,19 +102,46 @@ def promotion(rows: dict[str, dict[str, float]], metric: str, margin: float) -> 
     names = list(rows)
     incumbent = names[0]
     if len(names) == 1:
-        return {"chosen": incumbent, "promoted": False, "metric": metric, "message": f"only {incumbent}: nothing to compare"}
-    challenger = max(names[1:], key=lambda n: (not math.isnan(rows[n][metric]), rows[n][metric]))  # NaN: no valid episode
+        return {
+            "chosen": incumbent,
+            "promoted": False,
+            "metric": metric,
+            "message": f"only {incumbent}: nothing to compare",
+        }
+    challenger = max(
+        names[1:], key=lambda n: (not math.isnan(rows[n][metric]), rows[n][metric])
+    )  # NaN: no valid episode
     gain = rows[challenger][metric] - rows[incumbent][metric]
     if math.isnan(gain):  # a side with no valid episode proves nothing: keep what is there, and say so
         unscored = " and ".join(n for n in (incumbent, challenger) if math.isnan(rows[n][metric]))
-        return {"chosen": incumbent, "promoted": False, "metric": metric, "gain": gain, "message": f"KEEP {incumbent}: {metric} of {unscored} is NaN (no valid episode), nothing to compare"}
+        return {
+            "chosen": incumbent,
+            "promoted": False,
+            "metric": metric,
+            "gain": gain,
+            "message": f"KEEP {incumbent}: {metric} of {unscored} is NaN (no valid episode), nothing to compare",
+        }
     promoted = gain > margin
     chosen = challenger if promoted else incumbent
     verb = "PROMOTE" if promoted else "KEEP"
-    return {"chosen": chosen, "promoted": promoted, "metric": metric, "gain": gain, "message": f"{verb} {chosen}: {challenger} {'+' if gain >= 0 else ''}{gain:.3f} {metric} over {incumbent} (margin {margin})"}
+    return {
+        "chosen": chosen,
+        "promoted": promoted,
+        "metric": metric,
+        "gain": gain,
+        "message": f"{verb} {chosen}: {challenger} {'+' if gain >= 0 else ''}{gain:.3f} {metric} over {incumbent} (margin {margin})",
+    }
 
 
-def evaluate(job: Any, out: Path, policy: str, runtime: ModelRuntime | None = None, label: str = "", quiet: bool = False, n_runs: int = 0) -> dict[str, float]:
+def evaluate(
+    job: Any,
+    out: Path,
+    policy: str,
+    runtime: ModelRuntime | None = None,
+    label: str = "",
+    quiet: bool = False,
+    n_runs: int = 0,
+) -> dict[str, float]:
     """Score `policy` (with `runtime` for policy=model) on the held-out tasks, `n_runs` (0: `eval.n_runs`) each;
     files go under `out`. `quiet` prints one line instead of the per-task table (evals inside a training loop).
     """
@@ -117,7 +154,9 @@ def evaluate(job: Any, out: Path, policy: str, runtime: ModelRuntime | None = No
         print(f"{len(tasks.unloadable)} task(s) cannot be loaded and are left out; reasons in {reasons}")
     name = label or policy
     n_runs = n_runs or cfg.eval.n_runs
-    log.info("eval %s: %d tasks x %d runs, sandbox=%s, agent=%s", name, len(tasks), n_runs, cfg.sandbox.name, cfg.agent.name)
+    log.info(
+        "eval %s: %d tasks x %d runs, sandbox=%s, agent=%s", name, len(tasks), n_runs, cfg.sandbox.name, cfg.agent.name
+    )
     episodes = run_policy(job, tasks, n_runs, cfg.eval.concurrency, policy, runtime, desc=f"eval {name}")
     episodes.sort(key=lambda ep: (ep.task.name, ep.run))
 
@@ -141,7 +180,10 @@ def evaluate(job: Any, out: Path, policy: str, runtime: ModelRuntime | None = No
     plot_eval(rows, metrics, out / "eval.png", title=f"{name} on {len(tasks)} {cfg.tasks.split} tasks")
     _save_transcripts(out / "episodes", episodes, rewards, cfg.eval.save_episodes)
     if quiet:
-        print(f"{name}: reward {metrics['eval/reward']:.3f}, strict {metrics['eval/strict_success']:.3f}, valid commands {metrics['eval/valid_command_rate']:.3f}, turns {metrics['eval/avg_turns']:.2f}" + (f" ({why_nan})" if why_nan else ""))
+        print(
+            f"{name}: reward {metrics['eval/reward']:.3f}, strict {metrics['eval/strict_success']:.3f}, valid commands {metrics['eval/valid_command_rate']:.3f}, turns {metrics['eval/avg_turns']:.2f}"
+            + (f" ({why_nan})" if why_nan else "")
+        )
     else:
         print(_format_table(rows, metrics, why_nan))
     return metrics
@@ -169,7 +211,9 @@ def _format_table(rows: list[dict[str, Any]], metrics: dict[str, float], why_nan
 def _save_transcripts(folder: Path, episodes: list[Episode], rewards: dict[int, float], limit: int) -> None:
     folder.mkdir(exist_ok=True)
     broken = [ep for ep in episodes if ep.invalid or ep.damage]
-    for ep in (broken + [ep for ep in episodes if not (ep.invalid or ep.damage)])[:limit]:  # the broken ones first: they need a look
+    for ep in (broken + [ep for ep in episodes if not (ep.invalid or ep.damage)])[
+        :limit
+    ]:  # the broken ones first: they need a look
         record = {
             "task": ep.task.name,
             "run": ep.run,
@@ -180,7 +224,15 @@ def _save_transcripts(folder: Path, episodes: list[Episode], rewards: dict[int, 
             "task_rewards": ep.report.rewards if ep.report else {},  # every named reward the task wrote
             "time_s": ep.time_s,
             "messages": ep.messages,
-            "turns": [{"reply": t.reply, "commands": t.action.commands, "exit_codes": [r.exit_code for r in t.results], "error": t.action.error} for t in ep.turns],
+            "turns": [
+                {
+                    "reply": t.reply,
+                    "commands": t.action.commands,
+                    "exit_codes": [r.exit_code for r in t.results],
+                    "error": t.action.error,
+                }
+                for t in ep.turns
+            ],
         }
         name = f"{ep.task.name.replace('/', '__')}-run{ep.run}.json"
         (folder / name).write_text(json.dumps(record, indent=1))

@@ -46,7 +46,9 @@ class Selection:
     @classmethod
     def from_summary(cls, summary: dict[str, Any]) -> Selection:
         path = Path(summary["filter/kept_tasks"])
-        return cls(path, json.loads(path.read_text())["kept"], {k: v for k, v in summary.items() if k != "filter/kept_tasks"})
+        return cls(
+            path, json.loads(path.read_text())["kept"], {k: v for k, v in summary.items() if k != "filter/kept_tasks"}
+        )
 
 
 def run(job: Any) -> dict[str, Any]:
@@ -78,10 +80,14 @@ def select(job: Any, out: Path, policy: str, checkpoint: str, sampling: Any) -> 
         rates = _solve_rates(job, tasks, policy, checkpoint, sampling)
         kept = [name for name, (rate, _) in sorted(rates.items()) if f.lower <= rate <= f.upper]
     out.mkdir(parents=True, exist_ok=True)
-    (out / "kept_tasks.json").write_text(json.dumps({"kept": kept, "rates": {n: r for n, (r, _) in rates.items()}}, indent=1))
+    (out / "kept_tasks.json").write_text(
+        json.dumps({"kept": kept, "rates": {n: r for n, (r, _) in rates.items()}}, indent=1)
+    )
     if f.name != "none":
         print(_table(rates, f.k, f.lower, f.upper))
-    print(f"kept {len(kept)} of {len(tasks)} tasks with strict solve rate in [{f.lower}, {f.upper}] -> {out / 'kept_tasks.json'}")
+    print(
+        f"kept {len(kept)} of {len(tasks)} tasks with strict solve rate in [{f.lower}, {f.upper}] -> {out / 'kept_tasks.json'}"
+    )
     metrics = {"filter/candidates": float(len(tasks)), "filter/kept": float(len(kept))}
     if f.name != "none":
         metrics["filter/mean_solve_rate"] = sum(r for r, _ in rates.values()) / len(rates)
@@ -97,7 +103,11 @@ def _solve_rates(job: Any, tasks: list, policy: str, checkpoint: str, sampling: 
     if cache.exists():
         log.info("filter: solve rates from the cache %s", cache)
         return {name: tuple(v) for name, v in json.loads(cache.read_text()).items()}
-    runtime = job.models.runtime(job.models.sampler(checkpoint), sampling, seed=job.cfg.seed * 7919 + 29) if policy == "model" else None  # reproducible rates
+    runtime = (
+        job.models.runtime(job.models.sampler(checkpoint), sampling, seed=job.cfg.seed * 7919 + 29)
+        if policy == "model"
+        else None
+    )  # reproducible rates
     episodes = run_policy(job, tasks, job.cfg.task_filter.k, job.cfg.eval.concurrency, policy, runtime, desc="filter")
     rates = {}
     for task in tasks:
@@ -110,7 +120,21 @@ def _solve_rates(job: Any, tasks: list, policy: str, checkpoint: str, sampling: 
 
 def _cache_key(cfg: Any, tasks: list, policy: str, checkpoint: str, sampling: Any) -> str:
     h = hashlib.sha256()
-    h.update(json.dumps({"model": OmegaConf.to_container(cfg.model), "checkpoint": checkpoint, "policy": policy, "tasks": [t.name for t in tasks], "k": cfg.task_filter.k, "agent": OmegaConf.to_container(cfg.agent), "sampling": OmegaConf.to_container(sampling), "suite_seed": cfg.tasks.seed}, sort_keys=True).encode())
+    h.update(
+        json.dumps(
+            {
+                "model": OmegaConf.to_container(cfg.model),
+                "checkpoint": checkpoint,
+                "policy": policy,
+                "tasks": [t.name for t in tasks],
+                "k": cfg.task_filter.k,
+                "agent": OmegaConf.to_container(cfg.agent),
+                "sampling": OmegaConf.to_container(sampling),
+                "suite_seed": cfg.tasks.seed,
+            },
+            sort_keys=True,
+        ).encode()
+    )
     for part in checkpoint_bytes(checkpoint):  # a local checkpoint: its contents, not just its name
         h.update(part)
     return h.hexdigest()[:24]
@@ -133,7 +157,13 @@ def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, flo
 def _warn_if_k_too_small(k: int, lower: float) -> None:
     miss = (1 - lower) ** k
     if lower > 0 and miss > 0.2:
-        log.warning("task_filter.k=%d is small for lower=%.2f: a task solved %.0f%% of the time shows no success %.0f%% of the time and is dropped; raise k", k, lower, 100 * lower, 100 * miss)
+        log.warning(
+            "task_filter.k=%d is small for lower=%.2f: a task solved %.0f%% of the time shows no success %.0f%% of the time and is dropped; raise k",
+            k,
+            lower,
+            100 * lower,
+            100 * miss,
+        )
 
 
 def _table(rates: dict[str, tuple[float, int]], k: int, lower: float, upper: float) -> str:
@@ -141,5 +171,7 @@ def _table(rates: dict[str, tuple[float, int]], k: int, lower: float, upper: flo
     for name, (rate, n) in sorted(rates.items()):
         wins = round(rate * n) if n else 0
         lo, hi = wilson_interval(wins, n)
-        lines.append(f"{name:34} {wins:>3}/{n:<3} {rate:6.2f} [{lo:5.2f}, {hi:5.2f}]  {'yes' if lower <= rate <= upper else ''}")
+        lines.append(
+            f"{name:34} {wins:>3}/{n:<3} {rate:6.2f} [{lo:5.2f}, {hi:5.2f}]  {'yes' if lower <= rate <= upper else ''}"
+        )
     return "\n".join(lines)

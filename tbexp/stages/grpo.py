@@ -85,14 +85,17 @@ def kept_tasks(job: Any, path: Path) -> list:
     if not tasks:
         f = job.cfg.task_filter
         rated = len(selection.get("rates") or candidates)  # the filter rates task_filter.max_tasks of the candidates
-        raise DataError(f"{path}: no RL tasks kept (solve rate in [{f.lower}, {f.upper}] of {rated} candidates rated); widen task_filter.lower/upper, raise task_filter.k, or train SFT further")
+        raise DataError(
+            f"{path}: no RL tasks kept (solve rate in [{f.lower}, {f.upper}] of {rated} candidates rated); widen task_filter.lower/upper, raise task_filter.k, or train SFT further"
+        )
     return tasks
 
 
 def train(job: Any, start: str, tasks: list, out: Path) -> RLResult:
     """Run (or resume) GRPO in `out` from `start`'s weights ("" = the base model) on `tasks`; keep the peak."""
-    from tbexp.plots import plot_curve
     from tqdm import trange
+
+    from tbexp.plots import plot_curve
 
     cfg = job.cfg
     g = cfg.grpo
@@ -105,7 +108,9 @@ def train(job: Any, start: str, tasks: list, out: Path) -> RLResult:
         log.info("grpo: resuming after step %d from %s", state["step"], state["checkpoint"])
     tracker = job.tracker(out)
     tracker.rewind(state["step"], ("rollout/", "train/", "optim/", "time/", "heldout/"))  # a killed step's rows
-    log.info("grpo: %d RL tasks, %d steps of %d groups x %d episodes", len(tasks), g.steps, g.groups_per_step, g.group_size)
+    log.info(
+        "grpo: %d RL tasks, %d steps of %d groups x %d episodes", len(tasks), g.steps, g.groups_per_step, g.group_size
+    )
 
     if g.eval_at_start and not state["evals"]:
         _evaluate(job, out, backend, state, tracker, step=0)
@@ -125,13 +130,24 @@ def train(job: Any, start: str, tasks: list, out: Path) -> RLResult:
 
     # ties: the earlier, less-trained one; an eval with no valid episode (NaN) is never the peak
     best = max(state["evals"], key=lambda e: (not math.isnan(e["eval/reward"]), e["eval/reward"], -e["step"]))
-    plot_curve([(e["step"], e["eval/reward"]) for e in state["evals"]], out / "grpo.png", "held-out reward over RL steps", mark=best["step"])
+    plot_curve(
+        [(e["step"], e["eval/reward"]) for e in state["evals"]],
+        out / "grpo.png",
+        "held-out reward over RL steps",
+        mark=best["step"],
+    )
     (out / "chosen_checkpoint.txt").write_text(best["checkpoint"] + "\n")
     tracker.log_checkpoint(best["checkpoint"], best["step"], "chosen")
     print(_curve_table(state["evals"], best["step"]))
     print(f"peak held-out reward {best['eval/reward']:.3f} at step {best['step']} -> {best['checkpoint']}")
     tracker.finish()
-    metrics = {"grpo/best_step": float(best["step"]), "grpo/best_reward": best["eval/reward"], "grpo/steps_run": float(state["step"]), "grpo/rl_tasks": float(len(tasks)), **{k: best[k] for k in EVAL_KEYS}}
+    metrics = {
+        "grpo/best_step": float(best["step"]),
+        "grpo/best_reward": best["eval/reward"],
+        "grpo/steps_run": float(state["step"]),
+        "grpo/rl_tasks": float(len(tasks)),
+        **{k: best[k] for k in EVAL_KEYS},
+    }
     return RLResult(best["checkpoint"], metrics)
 
 
@@ -144,21 +160,36 @@ def _step(job: Any, backend, reference, tasks: list, step: int) -> dict[str, flo
     settings = OmegaConf.merge(cfg.sampling, {"temperature": g.temperature})
     runtime = job.models.runtime(backend.sampler(), settings, seed=cfg.seed * 1_000_003 + step)
     # A group is group_size runs of one task; a failed episode comes back invalid, never ending the step.
-    episodes = run_policy(job, list({t.name: t for t in tasks}.values()), g.group_size, g.concurrency, "model", runtime, desc="rollouts")
+    episodes = run_policy(
+        job, list({t.name: t for t in tasks}.values()), g.group_size, g.concurrency, "model", runtime, desc="rollouts"
+    )
     rollout_s = time.perf_counter() - clock
 
     rewards = score_episodes(episodes, cfg.reward)
-    datums, counts = grpo_datums(episodes, rewards, g.scale_by_std, reference, g.kl_coef, g.normalize, g.negative_weight)
+    datums, counts = grpo_datums(
+        episodes, rewards, g.scale_by_std, reference, g.kl_coef, g.normalize, g.negative_weight
+    )
     clock = time.perf_counter()
     train_metrics: dict[str, float] = {}
     lr = learning_rate(g, step)
     # Rollouts cost far more than updates, so a step may update several times on its samples; the ratio to the
     # sampler's logprobs (clipped under ppo) keeps the later updates near the policy that sampled.
     for _ in range(g.updates_per_step if datums else 0):
-        fb = backend.forward_backward(datums, g.loss_fn, {"clip_low_threshold": g.clip_low_threshold, "clip_high_threshold": g.clip_high_threshold})
-        opt = backend.optim_step(types.AdamParams(learning_rate=lr, weight_decay=g.weight_decay, grad_clip_norm=g.grad_clip_norm))
+        fb = backend.forward_backward(
+            datums,
+            g.loss_fn,
+            {"clip_low_threshold": g.clip_low_threshold, "clip_high_threshold": g.clip_high_threshold},
+        )
+        opt = backend.optim_step(
+            types.AdamParams(learning_rate=lr, weight_decay=g.weight_decay, grad_clip_norm=g.grad_clip_norm)
+        )
         fb, opt = fb.result(), opt.result()
-        train_metrics = {"train/loss": fb.loss, "optim/lr": lr, **{f"train/{k}": v for k, v in fb.metrics.items()}, **{f"optim/{k}": v for k, v in opt.items()}}
+        train_metrics = {
+            "train/loss": fb.loss,
+            "optim/lr": lr,
+            **{f"train/{k}": v for k, v in fb.metrics.items()},
+            **{f"optim/{k}": v for k, v in opt.items()},
+        }
     train_s = time.perf_counter() - clock
 
     rollout = {k.replace("eval/", "rollout/"): v for k, v in summarize(episodes, rewards).items()}
@@ -168,7 +199,10 @@ def _step(job: Any, backend, reference, tasks: list, step: int) -> dict[str, flo
         # the sampler's busy wall time (batches run one at a time); without a batch queue, each episode's waits summed
         "time/sample": runtime.queue.busy_s if runtime.queue is not None else sum(ep.sampled.sample_s for ep in valid),
         # sandbox-seconds, summed over the episodes that ran concurrently: starts, commands and stops; then tests
-        "time/env": sum(ep.time_s.get("start", 0) + ep.time_s.get("agent", 0) + ep.time_s.get("stop", 0) - ep.sampled.sample_s for ep in valid),
+        "time/env": sum(
+            ep.time_s.get("start", 0) + ep.time_s.get("agent", 0) + ep.time_s.get("stop", 0) - ep.sampled.sample_s
+            for ep in valid
+        ),
         "time/verify": sum(ep.time_s.get("verify", 0) for ep in valid),
         "time/train": train_s,
         "time/step": rollout_s + train_s,
@@ -193,7 +227,9 @@ def _evaluate(job: Any, out: Path, backend, state: dict, tracker: Tracker, step:
     # sample of the held-out episodes and reported on another, so the choice does not flatter the report.
     runtime = job.models.runtime(backend.sampler(), cfg.sampling, seed=eval_seed(cfg) + 1)
     folder = out / "evals" / f"step-{step:05d}"
-    metrics = evaluate(job, folder, "model", runtime, label=f"grpo step {step}", quiet=True, n_runs=cfg.grpo.eval_n_runs)
+    metrics = evaluate(
+        job, folder, "model", runtime, label=f"grpo step {step}", quiet=True, n_runs=cfg.grpo.eval_n_runs
+    )
     checkpoint = state["checkpoint"] or backend.save_state(f"step-{step:05d}")
     state["evals"].append({"step": step, "checkpoint": checkpoint, **{k: metrics[k] for k in EVAL_KEYS}})
     tracker.log({k.replace("eval/", "heldout/"): metrics[k] for k in EVAL_KEYS}, step=step)
@@ -209,7 +245,12 @@ def _report(cfg: Any, evals: list[dict], step: int) -> None:
     returns that start, and judged on its latest reward it would be stopped and its good result thrown away.
     """
     trial.report(cfg, "eval/reward", evals[-1]["eval/reward"], step)
-    trial.report(cfg, "grpo/best_reward", max((e["eval/reward"] for e in evals if not math.isnan(e["eval/reward"])), default=math.nan), step)
+    trial.report(
+        cfg,
+        "grpo/best_reward",
+        max((e["eval/reward"] for e in evals if not math.isnan(e["eval/reward"])), default=math.nan),
+        step,
+    )
 
 
 def _drop_unless_kept(checkpoint: str, state: dict) -> None:
@@ -231,5 +272,7 @@ def _curve_table(evals: list[dict], best_step: int) -> str:
     lines = [f"{'step':>5} {'reward':>7} {'strict':>7} {'valid':>6} {'turns':>6}"]
     for e in evals:
         mark = "  <- peak" if e["step"] == best_step else ""
-        lines.append(f"{e['step']:>5} {e['eval/reward']:7.3f} {e['eval/strict_success']:7.3f} {e['eval/valid_command_rate']:6.3f} {e['eval/avg_turns']:6.2f}{mark}")
+        lines.append(
+            f"{e['step']:>5} {e['eval/reward']:7.3f} {e['eval/strict_success']:7.3f} {e['eval/valid_command_rate']:6.3f} {e['eval/avg_turns']:6.2f}{mark}"
+        )
     return "\n".join(lines)

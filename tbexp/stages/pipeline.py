@@ -28,7 +28,6 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
-
 from tbexp.tracking import write_summary
 
 log = logging.getLogger(__name__)
@@ -47,26 +46,39 @@ def run(job: Any) -> dict[str, float]:
     rl_tasks = None  # without a filter part: as stage=grpo chooses them (grpo.rl_tasks)
 
     if "collect" in parts:
-        data = Path(done.get("collect", lambda: {"collect/data": str(collect.oracle_trajectories(job))})["collect/data"])
+        data = Path(
+            done.get("collect", lambda: {"collect/data": str(collect.oracle_trajectories(job))})["collect/data"]
+        )
     if "sft" in parts:
         folder = _sft_folder(job, out, data)
-        trained = done.get("sft_training", lambda: _one_at_a_time(folder, lambda: sft.train(job, data or collect.oracle_trajectories(job), folder).summary()))
+        trained = done.get(
+            "sft_training",
+            lambda: _one_at_a_time(
+                folder, lambda: sft.train(job, data or collect.oracle_trajectories(job), folder).summary()
+            ),
+        )
         checkpoint = sft.SFTResult.from_summary(trained).checkpoint
         done.get("base", lambda: _eval_once(job, out, "eval_base", cfg.load_checkpoint, label="base"))
         done.get("sft_eval", lambda: _eval_once(job, out, "eval_sft", checkpoint, label="sft"))
     if "filter" in parts:
-        selection = filter_stage.Selection.from_summary(done.get("filter", lambda: filter_stage.select_for_rl(job, out / "filter", checkpoint).summary()))
+        selection = filter_stage.Selection.from_summary(
+            done.get("filter", lambda: filter_stage.select_for_rl(job, out / "filter", checkpoint).summary())
+        )
         rl_tasks = grpo.kept_tasks(job, selection.path)
     if "grpo" in parts:
         if rl_tasks is None:
             rl_tasks = grpo.rl_tasks(job, checkpoint, out / "grpo")
-        rl = grpo.RLResult.from_summary(done.get("grpo", lambda: grpo.train(job, checkpoint, rl_tasks, out / "grpo").summary()))
+        rl = grpo.RLResult.from_summary(
+            done.get("grpo", lambda: grpo.train(job, checkpoint, rl_tasks, out / "grpo").summary())
+        )
         checkpoint = rl.checkpoint
         if (out / "grpo" / "grpo.png").exists():
             shutil.copyfile(out / "grpo" / "grpo.png", out / "rl_curve.png")
     if "eval" in parts and ("grpo" in parts or "sft" not in parts):  # an SFT-only pipeline's last row is the sft row
         label = "sft+rl" if "grpo" in parts else "final"
-        done.get("final_eval", lambda: evaluate_checkpoint(job, out / "eval_final", checkpoint, label=label, quiet=True))
+        done.get(
+            "final_eval", lambda: evaluate_checkpoint(job, out / "eval_final", checkpoint, label=label, quiet=True)
+        )
 
     names = {"base": "base", "sft_eval": "sft", "final_eval": "rl" if "grpo" in parts else "final"}
     rows = {name: done.results[key] for key, name in names.items() if key in done.results}
@@ -76,7 +88,11 @@ def run(job: Any) -> dict[str, float]:
         summary["promotion"] = promotion(rows, cfg.eval.promote_by, cfg.eval.promote_margin)
         table += "\n" + summary["promotion"]["message"]
     write_summary(out, summary)
-    (out / "table.md").write_text(_markdown(rows) + ("\n" + summary["promotion"]["message"] + "\n" if "promotion" in summary else "") if rows else table + "\n")
+    (out / "table.md").write_text(
+        _markdown(rows) + ("\n" + summary["promotion"]["message"] + "\n" if "promotion" in summary else "")
+        if rows
+        else table + "\n"
+    )
     print(table)
     tracker = job.tracker(out)
     tracker.log({f"{name}/{k}": v for name, metrics in rows.items() for k, v in metrics.items()})
@@ -101,7 +117,12 @@ def _sft_folder(job: Any, out: Path, data: Path | None) -> Path:
     decided_by["tasks"].pop("split", None)  # the eval split does not change what SFT trains on
     decided_by["sft"]["data"] = str(data) if data else ""
     contents = [data.read_bytes()] if data and data.is_file() else []
-    return _shared_folder(job, out / "sft", "sft", [json.dumps({**decided_by, "seed": cfg.seed, "backend": cfg.backend.name}, sort_keys=True).encode(), *contents])
+    return _shared_folder(
+        job,
+        out / "sft",
+        "sft",
+        [json.dumps({**decided_by, "seed": cfg.seed, "backend": cfg.backend.name}, sort_keys=True).encode(), *contents],
+    )
 
 
 def _eval_once(job: Any, out: Path, name: str, checkpoint: str, label: str) -> dict[str, float]:
@@ -120,12 +141,17 @@ def _eval_once(job: Any, out: Path, name: str, checkpoint: str, label: str) -> d
     cfg = job.cfg
     if not cfg.pipeline.cache_evals:
         return evaluate_checkpoint(job, out / name, checkpoint, label=label, quiet=True)
-    decided_by = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "tasks", "agent", "sandbox", "sampling", "eval", "reward", "backend")}
+    decided_by = {
+        k: OmegaConf.to_container(cfg[k], resolve=True)
+        for k in ("model", "tasks", "agent", "sandbox", "sampling", "eval", "reward", "backend")
+    }
     # Left out: how many episodes run at once (each reply's seed is its own) and torch's thread counts change no result.
     decided_by["eval"].pop("concurrency")
     for key in ("threads", "train_threads"):
         decided_by["backend"].pop(key)
-    key = json.dumps({**decided_by, "seed": cfg.seed, "checkpoint": checkpoint, "label": label}, sort_keys=True).encode()
+    key = json.dumps(
+        {**decided_by, "seed": cfg.seed, "checkpoint": checkpoint, "label": label}, sort_keys=True
+    ).encode()
     folder = _shared_folder(job, out / name, "evals", [key, *checkpoint_bytes(checkpoint)])
 
     def work() -> dict[str, float]:
@@ -186,6 +212,8 @@ def _markdown(rows: dict[str, dict[str, float]]) -> str:
     keys = [(label, key) for key, label in ROW_METRICS.items()]
     lines = ["| held-out | " + " | ".join(label for label, _ in keys) + " |", "|---" * (len(keys) + 1) + "|"]
     for name, m in rows.items():
-        cells = [f"{m[k]:.3f}" if k != "eval/pass@1" else f"{m[k]:.3f} ± {m['eval/pass@1_stderr']:.3f}" for _, k in keys]
+        cells = [
+            f"{m[k]:.3f}" if k != "eval/pass@1" else f"{m[k]:.3f} ± {m['eval/pass@1_stderr']:.3f}" for _, k in keys
+        ]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

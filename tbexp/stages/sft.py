@@ -88,20 +88,31 @@ def train(job: Any, data: Path, out: Path) -> SFTResult:
         batch = epoch_batch(train, step, s.batch_size, cfg.seed)
         lr = learning_rate(s, step)
         fb = backend.forward_backward(batch, "cross_entropy")
-        opt = backend.optim_step(types.AdamParams(learning_rate=lr, weight_decay=s.weight_decay, grad_clip_norm=s.grad_clip_norm))
+        opt = backend.optim_step(
+            types.AdamParams(learning_rate=lr, weight_decay=s.weight_decay, grad_clip_norm=s.grad_clip_norm)
+        )
         fb, opt = fb.result(), opt.result()
-        tracker.log({"train/nll": fb.loss / max(fb.n_tokens, 1.0), "optim/lr": lr, **{f"optim/{k}": v for k, v in opt.items()}}, step=step + 1)
+        tracker.log(
+            {"train/nll": fb.loss / max(fb.n_tokens, 1.0), "optim/lr": lr, **{f"optim/{k}": v for k, v in opt.items()}},
+            step=step + 1,
+        )
         done = step + 1 == s.steps
         if (step + 1) % s.eval_every == 0 or done:
             nll = _nll(backend, val)
-            state["evals"].append({"step": step + 1, "val_nll": nll, "checkpoint": backend.save_state(f"step-{step + 1:05d}")})
+            state["evals"].append(
+                {"step": step + 1, "val_nll": nll, "checkpoint": backend.save_state(f"step-{step + 1:05d}")}
+            )
             state["step"], state["resume_checkpoint"] = step + 1, state["evals"][-1]["checkpoint"]
             state_path.write_text(json.dumps(state, indent=1))
             tracker.log({"eval/nll": nll}, step=step + 1)
-            trial.report(cfg, "eval/nll", nll, step + 1, higher_is_better=False)  # in a sweep, the pruner may end the job here
+            trial.report(
+                cfg, "eval/nll", nll, step + 1, higher_is_better=False
+            )  # in a sweep, the pruner may end the job here
             tracker.log_checkpoint(state["resume_checkpoint"], step + 1)
             if _stalled(state["evals"], s.patience):
-                log.info("sft: held-out NLL has not improved for %d evaluations; stopping at step %d", s.patience, step + 1)
+                log.info(
+                    "sft: held-out NLL has not improved for %d evaluations; stopping at step %d", s.patience, step + 1
+                )
                 break
         elif s.save_every and (step + 1) % s.save_every == 0:
             _save_resume_point(backend, state, state_path, step + 1)
@@ -111,7 +122,12 @@ def train(job: Any, data: Path, out: Path) -> SFTResult:
     print(f"chosen checkpoint: step {best['step']} (held-out NLL {best['val_nll']:.4f}) -> {best['checkpoint']}")
     tracker.log_checkpoint(best["checkpoint"], best["step"], "chosen")
     tracker.finish()
-    metrics = {"sft/chosen_step": float(best["step"]), "sft/val_nll": best["val_nll"], "sft/steps_run": float(state["step"]), **{f"sft/{k}": float(v) for k, v in counts.items()}}
+    metrics = {
+        "sft/chosen_step": float(best["step"]),
+        "sft/val_nll": best["val_nll"],
+        "sft/steps_run": float(state["step"]),
+        **{f"sft/{k}": float(v) for k, v in counts.items()},
+    }
     return SFTResult(best["checkpoint"], metrics)
 
 
@@ -135,15 +151,31 @@ def _datums(conversations, renderer, max_len: int, overlong: str, val_fraction: 
             if sum(weights[1:]) == 0:
                 dropped += 1  # nothing of the reply survived truncation
                 continue
-            datums.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights[1:]}))
+            datums.append(
+                types.Datum(
+                    model_input=types.ModelInput.from_ints(tokens[:-1]),
+                    loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights[1:]},
+                )
+            )
         return datums
 
     train, val = render(train_rows), render(val_rows)
     if not train or not val:
         from tbexp.trajectories import DataError
 
-        raise DataError(f"{len(train)} train and {len(val)} held-out conversations left after dropping {dropped} over {max_len} tokens; need at least one of each")
-    return train, val, {"train_conversations": len(train), "val_conversations": len(val), "dropped_overlong": dropped, "truncated_overlong": truncated}
+        raise DataError(
+            f"{len(train)} train and {len(val)} held-out conversations left after dropping {dropped} over {max_len} tokens; need at least one of each"
+        )
+    return (
+        train,
+        val,
+        {
+            "train_conversations": len(train),
+            "val_conversations": len(val),
+            "dropped_overlong": dropped,
+            "truncated_overlong": truncated,
+        },
+    )
 
 
 def _split(conversations: list, val_fraction: float, seed: int) -> tuple[list, list]:
@@ -160,7 +192,10 @@ def _split(conversations: list, val_fraction: float, seed: int) -> tuple[list, l
     import re
     from collections import Counter
 
-    words = [Counter(w for m in c if m["role"] == "assistant" for w in re.findall(r"[A-Za-z0-9_]+", m["content"])) for c in conversations]
+    words = [
+        Counter(w for m in c if m["role"] == "assistant" for w in re.findall(r"[A-Za-z0-9_]+", m["content"]))
+        for c in conversations
+    ]
     in_train = Counter()
     for counts in words:
         in_train.update(counts.keys())

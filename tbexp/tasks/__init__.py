@@ -30,7 +30,9 @@ def load_task_set(settings: Any, split: str | None = None, part: str | None = No
         from tbexp.tasks.builtin import write_suite
 
         name = f"builtin-seed{settings.seed}-{settings.train_per_family}x{settings.heldout_per_family}"
-        root = write_suite(Path(settings.cache_dir) / name, settings.seed, settings.train_per_family, settings.heldout_per_family)
+        root = write_suite(
+            Path(settings.cache_dir) / name, settings.seed, settings.train_per_family, settings.heldout_per_family
+        )
         tasks = load_tasks(root / (split or settings.split), migrated_dir)
     else:
         tasks = load_tasks(settings.path, migrated_dir)

@@ -43,8 +43,18 @@ from tbexp.tasks.builtin.writer import write_task
 _FAMILIES: tuple[Family, ...] = tuple(
     module.FAMILY
     for module in (
-        log_errors, json_sum, csv_groupby, reverse_complement, file_move, git_commit, sqlite_query,
-        buried_json, unknown_delimiter, needle_file, calendar_slot, archive_lines,
+        log_errors,
+        json_sum,
+        csv_groupby,
+        reverse_complement,
+        file_move,
+        git_commit,
+        sqlite_query,
+        buried_json,
+        unknown_delimiter,
+        needle_file,
+        calendar_slot,
+        archive_lines,
     )
 )
 FAMILIES: list[str] = [family.name for family in _FAMILIES]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import random
 
-from tbexp.tasks.builtin.family import Combo, Family, SINGLE_INTEGER_CHECKS, TaskSpec
+from tbexp.tasks.builtin.family import SINGLE_INTEGER_CHECKS, Combo, Family, TaskSpec
 
 ROOTS = ("incoming", "inbox", "drop", "uploads", "exports", "feeds")
 FIELDS = ("amount", "price", "qty", "score", "points", "cost")

@@ -48,7 +48,7 @@ def build(combo: Combo, rng: random.Random) -> TaskSpec:
     )
 
 
-CHECKS = '''
+CHECKS = """
 import re
 from pathlib import Path
 
@@ -70,7 +70,7 @@ def test_hour_is_free_for_both():
 
 def test_hour_is_the_earliest():
     assert OUT.read_text().strip() == EXPECTED["slot"]
-'''
+"""
 
 FAMILY = Family(
     name="calendar-slot",

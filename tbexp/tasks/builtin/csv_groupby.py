@@ -50,7 +50,7 @@ def build(combo: Combo, rng: random.Random) -> TaskSpec:
     )
 
 
-CHECKS = '''
+CHECKS = """
 from pathlib import Path
 
 EXPECTED = __EXPECTED__
@@ -76,7 +76,7 @@ def test_totals_are_correct():
 def test_lines_are_sorted():
     keys = [row[0].strip() for row in _rows()]
     assert keys and keys == sorted(keys)
-'''
+"""
 
 FAMILY = Family(
     name="csv-groupby",

@@ -42,7 +42,7 @@ class Family:
 
 
 # The checks of every family whose answer is one integer in one file (EXPECTED: out, total).
-SINGLE_INTEGER_CHECKS = '''
+SINGLE_INTEGER_CHECKS = """
 from pathlib import Path
 
 EXPECTED = __EXPECTED__
@@ -60,11 +60,11 @@ def test_output_is_a_single_integer():
 
 def test_total_is_correct():
     assert int(OUT.read_text().strip()) == EXPECTED["total"]
-'''
+"""
 
 
 # The checks of every family whose answer is one non-negative count in one file (EXPECTED: out, count).
-COUNT_CHECKS = '''
+COUNT_CHECKS = """
 from pathlib import Path
 
 EXPECTED = __EXPECTED__
@@ -81,4 +81,4 @@ def test_output_is_a_single_number():
 
 def test_count_is_correct():
     assert int(OUT.read_text().strip()) == EXPECTED["count"]
-'''
+"""

@@ -39,7 +39,7 @@ def build(combo: Combo, rng: random.Random) -> TaskSpec:
     )
 
 
-CHECKS = '''
+CHECKS = """
 from pathlib import Path
 
 EXPECTED = __EXPECTED__
@@ -63,7 +63,7 @@ def test_moved_files_are_gone_from_the_source():
 def test_other_files_stay_untouched():
     for name, text in EXPECTED["kept"].items():
         assert (SOURCE / name).read_text() == text, f"{name} should have stayed in {SOURCE}"
-'''
+"""
 
 FAMILY = Family(
     name="file-move",

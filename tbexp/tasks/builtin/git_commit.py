@@ -40,7 +40,7 @@ def build(combo: Combo, rng: random.Random) -> TaskSpec:
     )
 
 
-CHECKS = '''
+CHECKS = """
 import subprocess
 from pathlib import Path
 
@@ -68,7 +68,7 @@ def test_commit_holds_only_the_file():
 
 def test_other_files_are_still_there():
     assert all((REPO / name).is_file() for name in EXPECTED["others"])
-'''
+"""
 
 FAMILY = Family(
     name="git-commit",

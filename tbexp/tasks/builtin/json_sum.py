@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import random
 
-from tbexp.tasks.builtin.family import Combo, Family, SINGLE_INTEGER_CHECKS, TaskSpec
+from tbexp.tasks.builtin.family import SINGLE_INTEGER_CHECKS, Combo, Family, TaskSpec
 
 FILES = ("orders.json", "payments.json", "invoices.json", "sales.json", "refunds.json", "transfers.json")
 FIELDS = ("amount", "price", "qty", "weight", "score", "points", "cost", "hours")

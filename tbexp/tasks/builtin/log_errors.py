@@ -15,8 +15,16 @@ LOGS = ("app.log", "server.log", "system.log", "events.log", "daemon.log", "acce
 SERVICES = ("auth", "billing", "cache", "db", "gateway", "mailer", "search", "worker")
 LEVELS = ("ERROR", "WARN", "INFO")
 OUTPUTS = ("count.txt", "errors.txt", "result.txt", "answer.txt", "total.txt", "lines.txt")
-MESSAGES = ("request failed", "timeout talking to {other}", "retrying {other} call", "cache miss",
-            "connection reset", "slow response from {other}", "job done", "disk almost full")
+MESSAGES = (
+    "request failed",
+    "timeout talking to {other}",
+    "retrying {other} call",
+    "cache miss",
+    "connection reset",
+    "slow response from {other}",
+    "job done",
+    "disk almost full",
+)
 
 
 def build(combo: Combo, rng: random.Random) -> TaskSpec:

@@ -15,8 +15,18 @@ DIRS = ("docs", "notes", "mail", "papers", "memos", "drafts")
 WORDS = ("password", "deadline", "invoice", "merger", "budget", "launch", "incident", "contract")
 DESTINATIONS = ("found", "flagged", "review", "picked", "keep", "hits")
 SUBDIRS = ("2023", "2024", "old", "team", "misc", "shared")
-FILE_NAMES = ("a.txt", "b.txt", "c.txt", "minutes.txt", "status.txt", "todo.txt", "week.txt", "plan.txt", "log.txt",
-              "ideas.txt")
+FILE_NAMES = (
+    "a.txt",
+    "b.txt",
+    "c.txt",
+    "minutes.txt",
+    "status.txt",
+    "todo.txt",
+    "week.txt",
+    "plan.txt",
+    "log.txt",
+    "ideas.txt",
+)
 FILLER = ("the", "meeting", "moved", "to", "friday", "please", "review", "attached", "team", "update", "call", "soon")
 
 
@@ -49,7 +59,7 @@ def build(combo: Combo, rng: random.Random) -> TaskSpec:
     )
 
 
-CHECKS = '''
+CHECKS = """
 from pathlib import Path
 
 EXPECTED = __EXPECTED__
@@ -70,7 +80,7 @@ def test_copy_has_the_original_content():
 
 def test_original_is_still_in_place():
     assert Path(EXPECTED["source"]).read_text() == EXPECTED["content"]
-'''
+"""
 
 FAMILY = Family(
     name="needle-file",

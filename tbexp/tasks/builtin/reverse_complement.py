@@ -30,7 +30,7 @@ def build(combo: Combo, rng: random.Random) -> TaskSpec:
     )
 
 
-CHECKS = '''
+CHECKS = """
 from pathlib import Path
 
 EXPECTED = __EXPECTED__
@@ -49,7 +49,7 @@ def test_output_is_a_dna_sequence_of_the_right_length():
 
 def test_sequence_is_the_reverse_complement():
     assert OUT.read_text().strip() == EXPECTED["revcomp"]
-'''
+"""
 
 FAMILY = Family(
     name="dna-revcomp",

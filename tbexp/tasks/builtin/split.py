@@ -33,9 +33,9 @@ def split_combos(family: Family, seed: int, n_train: int, n_heldout: int) -> tup
     train_ids = _covering_choice(combos, dims, n_train)
     train = [combos[i] for i in sorted(train_ids)]
     seen = {(d, c[d]) for c in train for d in dims}
-    heldout = [
-        c for i, c in enumerate(combos) if i not in train_ids and all((d, c[d]) in seen for d in dims)
-    ][:n_heldout]
+    heldout = [c for i, c in enumerate(combos) if i not in train_ids and all((d, c[d]) in seen for d in dims)][
+        :n_heldout
+    ]
     if len(heldout) < n_heldout:
         raise ValueError(
             f"{family.name}: only {len(heldout)} unseen combinations of seen entries for {n_heldout} held-out "

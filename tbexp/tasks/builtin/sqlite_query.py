@@ -19,8 +19,28 @@ TABLES = ("items", "products", "parts", "goods", "stock", "tools")
 COLUMNS = ("qty", "price", "weight", "rating", "size", "age")
 THRESHOLDS = (20, 30, 40, 50, 60, 70)
 OUTPUTS = ("names.txt", "result.txt", "out.txt", "list.txt", "answer.txt", "rows.txt")
-ROW_NAMES = ("anvil", "bucket", "candle", "drill", "easel", "funnel", "gauge", "hammer", "ink", "jack",
-             "kettle", "ladder", "magnet", "needle", "oar", "pliers", "quill", "ruler", "saw", "trowel")
+ROW_NAMES = (
+    "anvil",
+    "bucket",
+    "candle",
+    "drill",
+    "easel",
+    "funnel",
+    "gauge",
+    "hammer",
+    "ink",
+    "jack",
+    "kettle",
+    "ladder",
+    "magnet",
+    "needle",
+    "oar",
+    "pliers",
+    "quill",
+    "ruler",
+    "saw",
+    "trowel",
+)
 
 
 def build(combo: Combo, rng: random.Random) -> TaskSpec:
@@ -57,7 +77,7 @@ def _database_bytes(table: str, column: str, other: str, rows: list[tuple]) -> b
     return image
 
 
-CHECKS = '''
+CHECKS = """
 from pathlib import Path
 
 EXPECTED = __EXPECTED__
@@ -82,7 +102,7 @@ def test_right_names():
 
 def test_names_are_in_alphabetical_order():
     assert _names() == sorted(_names())
-'''
+"""
 
 FAMILY = Family(
     name="sqlite-query",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 
-from tbexp.tasks.builtin.family import Combo, Family, SINGLE_INTEGER_CHECKS, TaskSpec
+from tbexp.tasks.builtin.family import SINGLE_INTEGER_CHECKS, Combo, Family, TaskSpec
 
 FILES = ("table.dat", "export.dat", "records.dat", "dump.dat", "metrics.dat", "rows.dat")
 COLUMNS = ("amount", "price", "qty", "score", "cost", "hours")
