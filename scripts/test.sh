@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # scripts/test.sh [pytest arguments...]
-# Sets everything up (scripts/setup.sh), checks the style (ruff format, ruff check), then runs the test suite. Tests that need a service
-# (the Docker engine) start it themselves, or are skipped with the reason in the summary.
+# Sets everything up (scripts/setup.sh), checks the style (ruff format, ruff check), then runs the test
+# suite. Tests that need a service (the Docker engine) start it themselves, or are skipped with the reason
+# in the summary.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
