@@ -97,25 +97,25 @@ def test_pass_at_1_stderr_is_over_runs(rootfs, tmp_path, monkeypatch):
     assert metrics["eval/reward"] == pytest.approx(2 / 3 + metrics["eval/pass@1"] / 3)
 
 
+def _eval_dir(tasks, tmp_path) -> subprocess.CompletedProcess:
+    """`python -m tbexp stage=eval` on a directory of tasks, as a user runs it."""
+    command = [
+        sys.executable,
+        "-m",
+        "tbexp",
+        "stage=eval",
+        "tasks=dir",
+        f"tasks.path={tasks}",
+        f"hydra.run.dir={tmp_path}/run",
+    ]
+    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
 def test_task_dir_without_tests_is_refused_naming_the_file(tmp_path):
     tasks = tmp_path / "tasks"
     broken = make_task(tasks, "no-tests")
     (broken / "tests" / "test.sh").unlink()
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tbexp",
-            "stage=eval",
-            "tasks=dir",
-            f"tasks.path={tasks}",
-            f"hydra.run.dir={tmp_path}/run",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = _eval_dir(tasks, tmp_path)
     assert out.returncode == 2 and f"{broken}/tests/test.sh: missing" in out.stderr
 
 
@@ -123,21 +123,7 @@ def test_broken_task_toml_is_refused_naming_the_file(tmp_path):
     tasks = tmp_path / "tasks"
     broken = make_task(tasks, "bad-toml")
     (broken / "task.toml").write_text("[task\nname = 'x'\n")
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tbexp",
-            "stage=eval",
-            "tasks=dir",
-            f"tasks.path={tasks}",
-            f"hydra.run.dir={tmp_path}/run",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = _eval_dir(tasks, tmp_path)
     assert out.returncode == 2 and f"{broken}/task.toml: broken TOML" in out.stderr
 
 
