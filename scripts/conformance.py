@@ -13,6 +13,7 @@ Terminal-Bench 1) saying which published convention it exercises and what must c
     oracle_reward = 1.0                 # per-test reward the oracle must get (needed when scored)
     nop_reward = 0.0                    # per-test reward the do-nothing policy gets
     unrunnable_reason = "build failed"  # optional, with expect = "unrunnable": a regex the reason must match
+    harbor_reward = 0.0  # optional, with expect = "unrunnable": Harbor's runner scores it (both policies), tbexp not
 
 tbexp's numbers come from its own eval stage, run as a user runs it
 (`python -m tbexp stage=eval tasks=dir eval.candidates=[oracle,nop] sandbox=…`, one run per
@@ -69,6 +70,9 @@ class Expectation:
     oracle_reward: float | None = None
     nop_reward: float | None = None
     unrunnable_reason: str = ""  # a regex (case-insensitive) the reason must match; "" = any reason
+    # where tbexp's verdict differs from Harbor's on purpose: what Harbor's runner gives both policies (a verifier
+    # that ran no test is a valid 0 to Harbor, an infrastructure failure to tbexp); None = unrunnable there too
+    harbor_reward: float | None = None
 
     @property
     def oracle_strict(self) -> float | None:
@@ -101,7 +105,7 @@ def read_expectation(task_dir: Path) -> Expectation:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as err:
         raise ConformanceError(f"{path}: broken TOML: {err}") from err
-    known = {"convention", "expect", "oracle_reward", "nop_reward", "unrunnable_reason"}
+    known = {"convention", "expect", "oracle_reward", "nop_reward", "unrunnable_reason", "harbor_reward"}
     if unknown := sorted(set(data) - known):
         raise ConformanceError(f"{path}: unknown key(s) {unknown}; allowed: {sorted(known)}")
     for key in ("convention", "expect"):
@@ -122,6 +126,16 @@ def read_expectation(task_dir: Path) -> Expectation:
     reason = data.get("unrunnable_reason", "")
     if reason and data["expect"] != UNRUNNABLE:
         raise ConformanceError(f'{path}: unrunnable_reason is only for expect = "unrunnable"')
+    harbor = data.get("harbor_reward")
+    if harbor is not None and (
+        data["expect"] != UNRUNNABLE
+        or isinstance(harbor, bool)
+        or not isinstance(harbor, (int, float))
+        or not 0 <= harbor <= 1
+    ):
+        raise ConformanceError(
+            f'{path}: harbor_reward = {harbor!r}: a number in [0, 1], only for expect = "unrunnable"'
+        )
     try:
         re.compile(reason)
     except (re.error, TypeError) as err:
@@ -135,6 +149,7 @@ def read_expectation(task_dir: Path) -> Expectation:
         data["expect"],
         **rewards,
         unrunnable_reason=reason,
+        harbor_reward=None if harbor is None else float(harbor),
     )
 
 
@@ -423,6 +438,15 @@ def check_row(e: Expectation, sandbox: str, scores: dict[str, Score]) -> Row:
     for key, score in scores.items():
         policy = key.removeprefix("harbor-")
         who = f"{'Harbor' if key.startswith('harbor') else 'tbexp'} {policy}"
+        if e.expect == UNRUNNABLE and key.startswith("harbor") and e.harbor_reward is not None:
+            if score.unrunnable:
+                row.checks += 1
+                row.failures.append(
+                    f"{who}: expected scored {e.harbor_reward:.3f} by Harbor, got unrunnable: {score.unrunnable}"
+                )
+            else:
+                _expect_close(row, f"{who} per-test", e.harbor_reward, score.per_test)
+            continue
         if e.expect == UNRUNNABLE:
             row.checks += 1
             if not score.unrunnable:

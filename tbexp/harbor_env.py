@@ -24,7 +24,10 @@ What it simplifies or refuses:
   user in Docker); Harbor asking for any user but root is refused at that
   exec, so tasks with a non-root `[agent].user` or `[verifier].user` fail.
 * Network: tbexp sandboxes have none, so the environment declares
-  `disable_internet` and refuses tasks whose network mode is not `no-network`.
+  `disable_internet`, and a task whose network mode is `public` runs offline too,
+  as in tbexp's own episodes (the downloads a Terminal-Bench test.sh makes are
+  provisioned: sandboxes/provision.py, applied to Harbor's verifier command).
+* A prebuilt `[environment] docker_image` is run as tbexp's sandboxes run it.
 * No host mounts: Harbor downloads `/logs/...` after each phase instead.
 """
 
@@ -42,12 +45,12 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # harbor imports 
 
 from harbor.environments.base import BaseEnvironment, ExecResult  # noqa: E402
 from harbor.environments.capabilities import EnvironmentCapabilities  # noqa: E402
-from harbor.models.task.config import NetworkMode  # noqa: E402
 from harbor.models.trial.paths import EnvironmentPaths  # noqa: E402
 from hydra.utils import get_class  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from tbexp.config import SandboxConfig  # noqa: E402
+from tbexp.sandboxes import provision  # noqa: E402
 from tbexp.sandboxes.base import Sandbox  # noqa: E402
 from tbexp.tasks.harbor_task import Task  # noqa: E402
 
@@ -76,6 +79,8 @@ class SandboxEnvironment(BaseEnvironment):
             instruction="",
             config={},
             workdir=self.task_env_config.workdir or "/app",
+            docker_image=self.task_env_config.docker_image or "",
+            network_mode="no-network",  # offline whatever the task asks, as tbexp's own episodes run it
         )
         self.sandbox: Sandbox = get_class(self.sandbox_target)(self.settings, self.task)
 
@@ -89,14 +94,10 @@ class SandboxEnvironment(BaseEnvironment):
 
     def _validate_definition(self) -> None:
         dockerfile = Path(self.environment_dir) / "Dockerfile"
-        if not dockerfile.is_file():
+        if not dockerfile.is_file() and not self.task_env_config.docker_image:
             raise FileNotFoundError(
-                f"{dockerfile}: missing; tbexp sandboxes build every task from its Dockerfile (no prebuilt docker_image, no compose)"
-            )
-        if self.network_policy.network_mode != NetworkMode.NO_NETWORK:
-            raise ValueError(
-                f"{self.environment_name}: network_mode={self.network_policy.network_mode.value!r}, "
-                f"but {self.type()} sandboxes have no network; only no-network tasks can run in them"
+                f"{dockerfile}: missing, and no [environment] docker_image; tbexp sandboxes build a task from its "
+                "Dockerfile or run its prebuilt image (no compose)"
             )
 
     def _apply_task_resources(self) -> None:
@@ -140,6 +141,10 @@ class SandboxEnvironment(BaseEnvironment):
         if user not in ROOT_USERS:
             raise RuntimeError(f"{self.type()}: commands run as root only; the task asks for user {user!r}")
         script = _with_cwd_and_env(command, cwd, self._merge_env(env))
+        if "/tests/test.sh" in command:  # Harbor's verifier: uv offline, on what provision.py put in place
+            script = provision.verifier_command(
+                getattr(self.sandbox, "provision", None), f"bash -c {shlex.quote(script)}"
+            )
         result = await self._call(self.sandbox.exec, script, float(timeout_sec) if timeout_sec else NO_TIMEOUT_S)
         if callback := self._output_callback():
             await callback(result.output, "stdout")
@@ -179,9 +184,8 @@ class BwrapEnvironment(SandboxEnvironment):
         super()._validate_definition()
         from tbexp.sandboxes.dockerfile import read_dockerfile
 
-        read_dockerfile(
-            Path(self.environment_dir) / "Dockerfile"
-        )  # an unreadable Dockerfile is refused now, not mid-trial
+        if not self.task_env_config.docker_image:  # an unreadable Dockerfile is refused now, not mid-trial
+            read_dockerfile(Path(self.environment_dir) / "Dockerfile")
 
 
 class DockerEnvironment(SandboxEnvironment):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shlex
 import tempfile
 import xml.etree.ElementTree as ET
@@ -88,11 +89,21 @@ class TestReport:
 
 
 def runs_pytest(task: Task) -> bool:
-    """The task's tests are pytest files, so a verifier that reports no test result ran no test."""
+    """The task's tests are pytest files, so a verifier that reports no test result ran no test.
+
+    test.sh counts when a command in it names pytest (`pytest …`, `python -m pytest`, `uvx … pytest`); a comment
+    that says "no pytest" does not.
+    """
     tests = task.tests_dir
     if any(tests.rglob("test_*.py")) or any(tests.rglob("*_test.py")):
         return True
-    return "pytest" in (tests / "test.sh").read_text(errors="replace")
+    return _calls_pytest((tests / "test.sh").read_text(errors="replace"))
+
+
+def _calls_pytest(script: str) -> bool:
+    # A comment starts a line or follows a blank (a `#` inside a word, as in `${#x}` or a URL's, is no comment).
+    code = "\n".join(re.sub(r"(^|\s)#.*", "", line) for line in script.splitlines())
+    return re.search(r"(?<![\w.-])pytest(?![\w-])", code) is not None
 
 
 def verify(sandbox: Sandbox, task: Task, shared_tests: Sequence[Path] = ()) -> TestReport:

@@ -96,17 +96,29 @@ def test_nop_trials_score_zero(rootfs, heldout, tmp_path):
         assert result.verifier_result.rewards == {"reward": 0.0}, _explain(result)
 
 
-def test_public_network_task_is_refused(rootfs, heldout, tmp_path):
+def test_a_public_network_task_runs_offline_as_in_tbexp(rootfs, heldout, tmp_path):
     task = tmp_path / "public-task"
-
     shutil.copytree(heldout[0], task)
     toml = task / "task.toml"
     toml.write_text(toml.read_text().replace('network_mode = "no-network"', 'network_mode = "public"'))
-    with pytest.raises(ValueError, match="no network"):
-        run_trials([task], "oracle", tmp_path / "trials", sandbox={"rootfs": str(rootfs)})
+    (result,) = run_trials([task], "oracle", tmp_path / "trials", sandbox={"rootfs": str(rootfs)})
+    assert result.verifier_result.rewards["reward"] == 1.0
+    env = _environment(task, tmp_path / "trial", rootfs, network=NetworkMode.PUBLIC)
+
+    async def interfaces() -> str:
+        await env.start(force_build=False)
+        try:
+            return (await env.exec("cat /proc/net/dev")).stdout
+        finally:
+            await env.stop(delete=True)
+
+    listed = asyncio.run(interfaces())
+    assert "lo:" in listed and not [line for line in listed.splitlines()[2:] if "lo:" not in line], listed
 
 
-def _environment(task_dir: Path, trial_dir: Path, rootfs: Path, **sandbox) -> BwrapEnvironment:
+def _environment(
+    task_dir: Path, trial_dir: Path, rootfs: Path, network=NetworkMode.NO_NETWORK, **sandbox
+) -> BwrapEnvironment:
     task = HarborTask(task_dir)
     return BwrapEnvironment(
         environment_dir=task.paths.environment_dir,
@@ -114,7 +126,7 @@ def _environment(task_dir: Path, trial_dir: Path, rootfs: Path, **sandbox) -> Bw
         session_id="interop-test",
         trial_paths=TrialPaths(trial_dir),
         task_env_config=task.config.environment,
-        network_policy=NetworkPolicy(network_mode=NetworkMode.NO_NETWORK),
+        network_policy=NetworkPolicy(network_mode=network),
         sandbox={"rootfs": str(rootfs), **sandbox},
     )
 

@@ -140,3 +140,19 @@ def test_pytest_tasks_are_told_from_reward_file_tasks(tmp_path):
         "#!/bin/bash\ncd /tests && uvx pytest --ctrf /logs/verifier/ctrf.json check.py\n"
     )
     assert runs_pytest(load_task(plain))  # test.sh calls pytest on a file not named test_*.py
+
+
+@pytest.mark.parametrize(
+    "script,calls",
+    [
+        ("# No pytest: shell checks\necho 1 > /logs/verifier/reward.txt\n", False),
+        ("echo ok  # pytest comes later\n", False),
+        ("uvx -p 3.13 -w pytest==8.4.1 -w pytest-json-ctrf==0.3.5 pytest --ctrf /logs/verifier/ctrf.json\n", True),
+        ("python3 -m pytest -q /tests/test_outputs.py\n", True),
+        ("uv run pytest --ctrf /logs/verifier/ctrf.json\n", True),
+    ],
+)
+def test_a_test_sh_runs_pytest_when_a_command_names_it(script, calls):
+    from tbexp.verifier import _calls_pytest
+
+    assert _calls_pytest(script) is calls
