@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tbexp.cache import cache_root
 from tbexp.sandboxes import environments
 from tbexp.sandboxes.base import EnvironmentBuildError
 from tbexp.sandboxes.debian_roots import stand_in
@@ -180,7 +181,7 @@ def test_a_failing_run_makes_the_task_unrunnable_once(tmp_path, bwrap_settings):
         and "exit 3" in unrunnable["test/fails"]
         and "building" in unrunnable["test/fails"]
     )
-    builds_dir = environments.cache_dir() / "environments"
+    builds_dir = cache_root() / "environments"
     before = sorted(p.name for p in builds_dir.iterdir())
     with pytest.raises(EnvironmentBuildError, match="exit 3"):  # remembered: no second build
         BwrapSandbox(bwrap_settings, task).start()

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tbexp.cache import cache_root
 from tbexp.sandboxes.base import EnvironmentBuildError
 from tbexp.sandboxes.debian_roots import stand_in, suite_root, table_text
 from tbexp.sandboxes.dockerfile import (
@@ -75,10 +76,6 @@ _lock = threading.Lock()
 _key_locks: dict[tuple, threading.Lock] = {}
 _prepared: dict[tuple, PreparedEnvironment | EnvironmentBuildError] = {}
 builds = {"bwrap": 0}  # roots built by this process (tests count them)
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("TBEXP_CACHE") or Path.home() / ".cache" / "tbexp")
 
 
 def bwrap_environment(task: Any, settings: Any) -> PreparedEnvironment:
@@ -236,7 +233,7 @@ def _built(dockerfile: Dockerfile, task: Any, settings: Any) -> PreparedEnvironm
     digest = hashlib.sha256(f"{BUILDER_VERSION}\0{base_key}\0{context_hash(context)}".encode()).hexdigest()[:16]
     timeout_s = float(getattr(task, "build_timeout_s", 0) or DEFAULT_BUILD_TIMEOUT_S)
     return _cached_root(
-        cache_dir() / "environments" / digest,
+        cache_root() / "environments" / digest,
         base,
         lambda root, log: build_stage(stage, context, root, _base_config(base), log, time.monotonic() + timeout_s),
     )
@@ -256,13 +253,13 @@ def _stand_in_root(stage: Stage, settings: Any) -> Path:
             "Docker engine to build it with; start one (scripts/start_dockerd.sh) with the image loaded, "
             "or use another base"
         )
-    suite = suite_root(found.suite, cache_dir(), print)
+    suite = suite_root(found.suite, cache_root(), print)
     if not found.flavour:
         return suite
     digest = hashlib.sha256(f"{BUILDER_VERSION}\0{found.suite}\0{found.flavour}".encode()).hexdigest()[:12]
     flavour = read_flavour(found.flavour).stages[0]
     return _cached_root(
-        cache_dir() / "environments" / f"stand-in-{found.suite}-{digest}",
+        cache_root() / "environments" / f"stand-in-{found.suite}-{digest}",
         suite,
         lambda root, log: build_stage(
             flavour, root, root, ImageConfig(), log, time.monotonic() + DEFAULT_BUILD_TIMEOUT_S
@@ -362,7 +359,7 @@ def _from_docker(task: Any, settings: Any) -> PreparedEnvironment:
     api = _client()
     image = _ensure_image(api, task, settings)
     image_id = api.inspect_image(image)["Id"].split(":")[-1][:16]
-    root = cache_dir() / "environments" / f"docker-{image_id}"
+    root = cache_root() / "environments" / f"docker-{image_id}"
 
     def export(partial: Path, log) -> ImageConfig:
         export_image(api, image, partial)

@@ -57,6 +57,7 @@ from pathlib import Path
 from packaging.markers import InvalidMarker
 from packaging.requirements import InvalidRequirement, Requirement
 
+from tbexp.cache import cache_root
 from tbexp.sandboxes.base import SandboxError
 
 log = logging.getLogger(__name__)
@@ -183,10 +184,6 @@ def opted_out(task) -> bool:
     if str(value).strip().lower() in ("1", "true", "yes", "on"):
         return False
     raise ProvisionError(f"{task.path / 'task.toml'}: [verifier.env] {OPT_OUT_KEY} must be 0 or 1, got {value!r}")
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("TBEXP_CACHE") or Path.home() / ".cache/tbexp")
 
 
 def read_needs(script: str) -> Needs | None:

@@ -18,12 +18,14 @@ import tempfile
 from importlib.metadata import version
 from pathlib import Path
 
+from tbexp.cache import cache_root
+
 log = logging.getLogger(__name__)
 
 
 def default_migrated_dir() -> Path:
     """`$TBEXP_CACHE/migrated` (else ~/.cache/tbexp/migrated), beside the built-in suite's `tasks/`."""
-    return Path(os.environ.get("TBEXP_CACHE") or Path.home() / ".cache" / "tbexp") / "migrated"
+    return cache_root() / "migrated"
 
 
 def migrate_tb1(source: Path, migrated_dir: Path | None = None) -> Path:
