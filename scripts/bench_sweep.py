@@ -254,7 +254,7 @@ def _finished(study: Any) -> list[tuple[int, float | None]]:
     """
     from optuna.trial import TrialState
 
-    from tbexp.study import INTERRUPTED_ATTR, PRUNED_AT_ATTR
+    from tbexp.study.storage import INTERRUPTED_ATTR, PRUNED_AT_ATTR
 
     trials = sorted(
         (
@@ -297,7 +297,7 @@ def _complete(study: Any) -> bool:
 
 def _real_study(objective: str, mode: str, seed: int, out: Path, launch: bool = True) -> Any:
     """Run (or continue) one study through `python -m tbexp -m` and load it; with launch=False only load it (None if not begun)."""
-    from tbexp.study import load_study
+    from tbexp.study.storage import load_study
 
     sweep, extra = OBJECTIVES[objective]
     name = f"bench-{objective}-{mode}-{seed}"
@@ -347,14 +347,14 @@ def _synthetic_study(settings: Any, seed: int, steps: int, eval_every: int) -> A
     next starts as soon as one ends; at each eval step a trial reports what
     GRPO reports under the pruner's metric (its held-out value, or for
     grpo/best_reward the peak so far) and is pruned the way
-    `tbexp.trial.report` prunes a job.
+    `tbexp.study.trial.report` prunes a job.
     """
     import optuna
     from omegaconf import OmegaConf
 
     from hydra_plugins.tbexp_optuna_sweeper._space import SearchSpace
     from hydra_plugins.tbexp_optuna_sweeper._study_open import _sampler
-    from tbexp.study import PRUNED_AT_ATTR, make_pruner
+    from tbexp.study.storage import PRUNED_AT_ATTR, make_pruner
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     sampler = _sampler(settings.sampler, settings.sampler.seed + seed)

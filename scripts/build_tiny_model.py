@@ -49,7 +49,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tbexp.renderers import make_renderer  # noqa: E402
+from tbexp.models.renderers import make_renderer  # noqa: E402
 
 SPECIALS = ["<|pad|>", "<|user|>", "<|assistant|>", "<|end|>"]
 CHAT_TEMPLATE = (  # the `plain` renderer's format, for tools that use apply_chat_template
@@ -710,7 +710,7 @@ A {record["params"] / 1e6:.2f}M-parameter `LlamaForCausalLM` (hidden {c.hidden_s
 tokenizer, trained from scratch so that tbexp runs end to end without downloading anything (`model=tiny`,
 the default: `load_model` resolves `model.path=""` to this directory).
 
-It speaks the `plain` chat format of `tbexp/renderers.py`,
+It speaks the `plain` chat format of `tbexp/models/renderers.py`,
 `<|user|>text<|end|><|assistant|>reply<|end|><|user|>...` (also its `chat_template`), and was pretrained
 on a synthetic corpus of raw_command episodes: one bash command per turn, made-up output with `[exit N]`,
 `exit` when done, about generic chores (ls, cat, head/tail, wc, grep, sort/uniq, cut, awk, sed, tr, find,

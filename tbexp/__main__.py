@@ -19,8 +19,9 @@ from omegaconf import DictConfig
 from tbexp.config import check, register
 from tbexp.errors import TbexpError
 from tbexp.job import Job
-from tbexp.launchers import assign_local_job_gpus
-from tbexp.tracking import job_run, note_result
+from tbexp.jobs.launchers import assign_local_job_gpus
+from tbexp.jobs.tracking import job_run, note_result
+from tbexp.seeds import stream
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 OBJECTIVE = "eval/reward"  # the number a sweep optimises: held-out reward
@@ -31,12 +32,12 @@ log = logging.getLogger("tbexp")
 
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> float:
-    from tbexp.trial import TrialPruned
+    from tbexp.study.trial import TrialPruned
 
     try:
         check(cfg)
         assign_local_job_gpus()  # before any stage starts CUDA
-        random.seed(cfg.seed)
+        random.seed(stream(cfg.seed, "process"))
         stage = importlib.import_module(f"tbexp.stages.{cfg.stage.name}")
         job = Job(cfg)  # the one place that builds what the stages share
         with job_run(cfg):  # the job's one W&B / Trackio run, if logger says so

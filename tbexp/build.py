@@ -1,5 +1,8 @@
 """From config nodes to the objects stages use: backends, samplers' settings, model policies, episodes.
 
+The model hosts are what `backend._target_` names: `LocalHost` (transformers + peft in this process) and
+`TinkerHost` (the Tinker service); each loads base weights, hands out trainers and samplers, and counts loads.
+
 Kept apart from the stages so that several stages (eval, collect, sft, grpo)
 build these the same way, and apart from the backends so that they stay
 free of config plumbing. `tbexp.job.Job` calls these once per job.
@@ -12,43 +15,111 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tbexp.backends.base import TrainingBackend
+from tbexp.backends.base import Sampler, TrainingBackend
 
 
-def make_backend(
-    cfg: Any, save_dir: Path, logit_scale_lr_factor: float = 0.0, service_client: Any = None
-) -> TrainingBackend:
-    """The backend `cfg.backend` names, holding `cfg.model`, with checkpoints under `save_dir`.
+def _train_threads(b: Any, device: str) -> Any:
+    """Sets torch's threads for sampling and returns the updates' (an int, None = as set, or a callable that
+    re-reads this job's share of its cores before each update: tbexp.jobs.cpu_share)."""
+    import torch
 
-    `logit_scale_lr_factor`: how fast `model.logit_scale` trains, relative to the stage's lr (0: it stays put).
-    `service_client`: backend=tinker's connection, when the job has one already.
-    """
-    m = cfg.model
-    if cfg.backend.name == "tinker":
+    if not b.share_cores or device != "cpu":
+        if b.threads:
+            torch.set_num_threads(b.threads)
+        return b.train_threads or None
+    from tbexp.jobs.cpu_share import SharedThreads, job_cores, launcher_cpus_per_task, share
+
+    cores = job_cores(launcher_cpus_per_task())
+    shared = SharedThreads(b.train_threads or b.threads, cores)
+    torch.set_num_threads(min(b.threads or cores, share(cores)))
+    return shared
+
+
+class LocalHost:
+    """backend=local (`backend._target_`): the base model loaded into this process once; every trainer is that
+    model with its trainable weights reset (so a second trainer ends the first), a sampler is a snapshot of
+    a checkpoint's weights on it."""
+
+    def __init__(self, cfg: Any):
+        self.cfg = cfg
+        self.loads = 0  # how many times base weights were loaded
+        self._engine: Any = None
+
+    def trainer(self, save_dir: Path, logit_scale_lr_factor: float = 0.0) -> TrainingBackend:
+        engine = self._local()
+        engine.restart(save_dir, logit_scale_lr_factor)
+        return engine
+
+    def sampler(self, checkpoint: str = "") -> Sampler:
+        return self._local().checkpoint_sampler(checkpoint)
+
+    def _local(self) -> Any:
+        if self._engine is None:
+            self._engine = _local_backend(self.cfg, Path(self.cfg.cache_dir))  # save_dir is set by each trainer
+            self.loads += 1
+        return self._engine
+
+
+class TinkerHost:
+    """backend=tinker (`backend._target_`): one service connection; each trainer is a new LoRA training client,
+    each sampler a sampling client over a checkpoint's sampler weights (no optimizer behind it)."""
+
+    def __init__(self, cfg: Any):
+        self.cfg = cfg
+        self.loads = 0  # training clients made: the service loads the base model for each
+        self._service: Any = None
+
+    def trainer(self, save_dir: Path, logit_scale_lr_factor: float = 0.0) -> TrainingBackend:
         from tbexp.backends.tinker_backend import TinkerBackend
 
+        m = self.cfg.model
+        self.loads += 1
         return TinkerBackend(
             m.path or m.name,
             lora_rank=m.lora_rank,
             lora_dropout=m.lora_dropout,
             lora_targets=list(m.lora_targets),
             logit_scale=m.logit_scale,
-            seed=cfg.seed,
-            base_url=cfg.backend.base_url,
-            service_client=service_client,
+            seed=self.cfg.seed,
+            base_url=self.cfg.backend.base_url,
+            service_client=self._connection(),
         )
-    if cfg.backend.name != "local":
-        raise ValueError(f"backend.name={cfg.backend.name!r}: choose local or tinker")
+
+    def sampler(self, checkpoint: str = "") -> Sampler:
+        from tbexp.backends.tinker_backend import sampling_client
+
+        return sampling_client(self._connection(), self.cfg.model.path or self.cfg.model.name, checkpoint)
+
+    def _connection(self) -> Any:
+        if self._service is None:
+            from tbexp.backends.tinker_backend import _connect
+
+            self._service = _connect(self.cfg.backend.base_url)
+        return self._service
+
+
+def make_host(cfg: Any) -> Any:
+    """The model host `cfg.backend._target_` names (LocalHost, TinkerHost or another with their two methods)."""
+    from hydra.utils import get_class
+
+    return get_class(cfg.backend._target_)(cfg)
+
+
+def make_backend(cfg: Any, save_dir: Path) -> TrainingBackend:
+    """A fresh training run on the backend `cfg.backend` chooses, holding `cfg.model`, checkpoints under `save_dir`."""
+    return make_host(cfg).trainer(save_dir)
+
+
+def _local_backend(cfg: Any, save_dir: Path, logit_scale_lr_factor: float = 0.0) -> TrainingBackend:
     import torch
 
     from tbexp.backends.local import LocalBackend
     from tbexp.models import load_model
 
-    if cfg.backend.threads:
-        torch.set_num_threads(cfg.backend.threads)
-    device = cfg.backend.device if cfg.backend.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    m, b = cfg.model, cfg.backend
+    device = b.device if b.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    train_threads = _train_threads(b, device)
     model, tokenizer = load_model(m, device=device)
-    b = cfg.backend
     return LocalBackend(
         model,
         tokenizer,
@@ -68,7 +139,7 @@ def make_backend(
         dtype=b.dtype or None,
         compile_backend=b.compile or None,
         cuda_graph_sampling=b.cuda_graph_sampling,
-        train_threads=b.train_threads or None,
+        train_threads=train_threads,
         continuous_batching=b.continuous_batching,
         kv_cache_tokens=b.kv_cache_tokens,
     )
@@ -87,8 +158,8 @@ def model_runtime(cfg: Any, sampler: Any, settings: Any, seed: int | None = None
 
     `seed` makes every reply's draw a function of (seed, task, run, turn) instead of the sampler's RNG.
     """
-    from tbexp.policies import ModelRuntime
-    from tbexp.renderers import make_renderer
+    from tbexp.episodes.policies import ModelRuntime
+    from tbexp.models.renderers import make_renderer
 
     renderer = make_renderer(cfg.model.renderer, sampler.tokenizer)
     # Without a seed each call draws from the backend's RNG, so n runs of a task differ.
@@ -97,23 +168,30 @@ def model_runtime(cfg: Any, sampler: Any, settings: Any, seed: int | None = None
     )
 
 
-def eval_seed(cfg: Any) -> int:
-    """The sampling seed of every held-out eval in a run: checkpoints compared on the same draws (common random
-    numbers), so a difference between them is the weights', not the dice's; n runs of a task still differ."""
-    return cfg.seed * 7919 + 17
+class RolloutsCancelled(Exception):
+    """The caller stopped `run_policy` (its `stop` was set) while episodes were in flight; they are discarded."""
 
 
 def run_policy(
-    job: Any, tasks: list, n_runs: int, concurrency: int, policy: str, runtime: Any = None, desc: str = "episodes"
+    job: Any,
+    tasks: list,
+    n_runs: int,
+    concurrency: int,
+    policy: str,
+    runtime: Any = None,
+    desc: str = "episodes",
+    stop: Any = None,
 ) -> list:
     """`n_runs` episodes of `policy` on every task, each in a fresh sandbox, `concurrency` at a time.
 
     The policy is built once per task before any sandbox starts, so a policy that
     cannot act (an oracle without a solution) fails before work is done; a task whose
-    environment cannot be built is skipped, its reason printed once.
+    environment cannot be built is skipped, its reason printed once. Once `stop` (a
+    threading.Event) is set, episodes not yet started raise RolloutsCancelled and the
+    call ends when the running ones have finished.
     """
-    from tbexp.policies import make_policy
-    from tbexp.rollout import run_episode, run_episodes
+    from tbexp.episodes.policies import make_policy
+    from tbexp.episodes.rollout import run_episode, run_episodes
     from tbexp.sandboxes.environments import prepare_environments
 
     agent = job.agent
@@ -126,6 +204,8 @@ def run_policy(
     tasks = [task for task in tasks if task.name not in unrunnable]
 
     def run_one(task, run_index):
+        if stop is not None and stop.is_set():
+            raise RolloutsCancelled(f"{task.name} run {run_index}")
         return run_episode(
             task,
             run_index,

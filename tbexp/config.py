@@ -51,16 +51,9 @@ class FilterName(StrEnum):
     none = "none"
 
 
-class RewardName(StrEnum):
-    binary = "binary"
-    per_test = "per_test"
-    per_test_efficiency = "per_test_efficiency"
-    task_reward = "task_reward"
-
-
-class BackendName(StrEnum):
-    local = "local"
-    tinker = "tinker"
+class Harness(StrEnum):
+    native = "native"  # tbexp's own agent loop (tbexp.episodes.rollout)
+    harbor = "harbor"  # Harbor's own trials (tbexp.episodes.harbor_trials)
 
 
 class LoggerName(StrEnum):
@@ -80,9 +73,12 @@ class Overlong(StrEnum):
     truncate = "truncate"
 
 
-class RLLoss(StrEnum):
+class RLLoss(StrEnum):  # definitions and parameters: tbexp/backends/rl_losses.py, the comparison: docs/losses.md
     importance_sampling = "importance_sampling"
     ppo = "ppo"
+    cispo = "cispo"
+    gspo = "gspo"
+    dppo = "dppo"  # backend=local only
 
 
 class Normalize(StrEnum):
@@ -121,12 +117,36 @@ class StageConfig:
     name: Stage = Stage.eval  # which stage `python -m tbexp` runs
 
 
+# The parts that plug in (reward, backend, sandbox, agent) are chosen by `_target_`, the class or function that
+# implements them, and each option's settings are its own dataclass: the base holds what every option reads, a
+# subclass adds its own keys, and `conf/<group>/<option>.yaml` starts from it (`register` stores it as
+# `schema/<group>/<option>`), so a key of another option or a misspelt one is refused naming the option's schema.
+# `name` is a label (metric keys, log lines); choosing by it is refused in `check()`.
 @dataclass
 class RewardConfig:
-    name: RewardName = RewardName.per_test
-    tests_weight: float = 0.8  # per_test_efficiency: weight of the per-test fraction
-    efficiency_weight: float = 0.2  # per_test_efficiency: weight of the bonus for faster successes
+    _target_: str = "tbexp.episodes.rewards.per_test"  # a function (reports, turns, **the other fields but name)
+    name: str = "per_test"
     task_reward: str = "reward"  # the named reward of reward.json read without per-test results (task_reward: always)
+
+
+@dataclass
+class BinaryRewardConfig(RewardConfig):
+    _target_: str = "tbexp.episodes.rewards.binary"
+    name: str = "binary"
+
+
+@dataclass
+class PerTestEfficiencyRewardConfig(RewardConfig):
+    _target_: str = "tbexp.episodes.rewards.per_test_efficiency"
+    name: str = "per_test_efficiency"
+    tests_weight: float = 0.8  # weight of the per-test fraction
+    efficiency_weight: float = 0.2  # weight of the bonus for faster successes
+
+
+@dataclass
+class TaskRewardConfig(RewardConfig):
+    _target_: str = "tbexp.episodes.rewards.task_reward"
+    name: str = "task_reward"
 
 
 @dataclass
@@ -141,12 +161,21 @@ class TaskFilterConfig:
 
 @dataclass
 class BackendConfig:
-    name: BackendName = BackendName.local
-    device: str = "auto"  # local: cpu | cuda | auto
-    base_url: str = ""  # tinker: a Tinker-compatible server; "" = the SDK's default
-    threads: int = 1  # local on CPU: torch threads; the sandboxes need the other cores. 0 = torch's default
-    train_threads: int = 0  # local on CPU: torch threads during updates, when no sandbox runs; 0 = as `threads`
-    # local on GPU (see docs/gpu.md): all off by default, so CPU runs are unchanged
+    _target_: str = "tbexp.build.LocalHost"  # the model host: loads the weights, hands out trainers and samplers
+    name: str = "local"
+    # This process's torch threads (every backend's: a sweep sets them whatever the backend; on tinker no model runs
+    # here, so they change nothing).
+    threads: int = 1  # torch threads while sampling; the sandboxes need the other cores. 0 = torch's default
+    train_threads: int = 0  # torch threads during updates, when no sandbox runs; 0 = as `threads`
+
+
+@dataclass
+class LocalBackendConfig(BackendConfig):
+    device: str = "auto"  # cpu | cuda | auto
+    # on CPU: at most the job's share of its cores (affinity, cgroup quota, cpus_per_task) among the tbexp jobs
+    # running on them, re-read before each update (tbexp/jobs/cpu_share.py); false = `threads`/`train_threads` as given
+    share_cores: bool = True
+    # on GPU (see docs/gpu.md): all off by default, so CPU runs are unchanged
     dtype: str = ""  # "bfloat16": frozen weights in bf16, passes under autocast, trainable weights fp32
     compile: str = ""  # "inductor": torch.compile each decoder layer for training passes
     packing: bool = False  # datums joined into one row instead of padded micro-batches
@@ -155,6 +184,13 @@ class BackendConfig:
     cuda_graph_sampling: bool = False  # replay one CUDA graph per sampled token
     continuous_batching: bool = False  # requests share one running batch, paged KV cache (docs/gpu-sampling.md)
     kv_cache_tokens: int = 0  # continuous_batching: cache tokens; 0 = 40% of free GPU memory (64k on CPU)
+
+
+@dataclass
+class TinkerBackendConfig(BackendConfig):
+    _target_: str = "tbexp.build.TinkerHost"
+    name: str = "tinker"
+    base_url: str = ""  # a Tinker-compatible server; "" = the SDK's default
 
 
 @dataclass
@@ -176,23 +212,32 @@ class TasksConfig:
 
 @dataclass
 class SandboxConfig:
-    _target_: str = "tbexp.sandboxes.bwrap.BwrapSandbox"
+    _target_: str = "tbexp.sandboxes.bwrap.BwrapSandbox"  # the Sandbox class, built once per episode
     name: str = "bwrap"
-    rootfs: str = "${cache_dir}/rootfs"  # bwrap: root file system (read-only)
-    base_image: str = "tbexp-base:bookworm"  # docker: tag the task Dockerfiles start FROM
-    environment_source: str = (
-        "auto"  # bwrap: roots of other environments from docker | debootstrap | auto (docker if an engine answers)
-    )
+    rootfs: str = "${cache_dir}/rootfs"  # the root file system of base_image (bwrap's root; scripts/build_rootfs.sh)
+    base_image: str = "tbexp-base:bookworm"  # the tag the task Dockerfiles start FROM
     command_timeout_s: float = 30.0  # one exec; the command is killed after this
     output_limit_bytes: int = 65536  # one exec's stdout+stderr; beyond it the command is killed
     pids_limit: int = 128  # processes and threads in one sandbox
     memory_mb: int = 512
     disk_mb: int = 256  # writable space: /app, /tmp, /logs together
-    cpus: float = 1.0  # docker: CPU quota
-    max_lifetime_s: float = 3600.0  # docker: a container removes itself after this, even if tbexp died
     # A task whose task.toml asks for the network (network_mode = "public") gets the host's only when this is on;
     # off, agents and verifiers run offline whatever the task says (the verifier's downloads are provisioned).
     allow_network: bool = False
+
+
+@dataclass
+class BwrapSandboxConfig(SandboxConfig):
+    # roots of environments other than base_image: from docker | debootstrap | auto (docker if an engine answers)
+    environment_source: str = "auto"
+
+
+@dataclass
+class DockerSandboxConfig(SandboxConfig):
+    _target_: str = "tbexp.sandboxes.docker.DockerSandbox"
+    name: str = "docker"
+    cpus: float = 1.0  # CPU quota
+    max_lifetime_s: float = 3600.0  # a container removes itself after this, even if tbexp died
 
 
 @dataclass
@@ -200,7 +245,11 @@ class AgentConfig:
     _target_: str = "tbexp.agents.raw_command.RawCommandAgent"
     name: str = "raw_command"
     max_turns: int = 8
-    observation_limit_chars: int = 2000  # output shown back to the model per turn
+    observation_limit_chars: int = 2000  # output shown back to the model per turn (terminus_2: Harbor's 10,000 bytes)
+    parser: str = "json"  # terminus_2: json | xml, Harbor's two templates and parsers
+    summarize: bool = False  # terminus_2: Harbor's context summarization; refused (docs/terminus-2.md says why)
+    pane_width: int = 160  # terminus_2: the tmux pane's columns (Harbor's tmux_pane_width)
+    pane_height: int = 40  # terminus_2: its rows (Harbor's tmux_pane_height)
 
 
 @dataclass
@@ -223,6 +272,22 @@ class EvalConfig:
     )  # compare these (policy names or checkpoints), the first being the incumbent
     promote_by: str = "eval/strict_success"  # the metric a challenger must beat the incumbent on
     promote_margin: float = 0.0  # ... by more than this
+    harness: Harness = Harness.native  # harbor: Harbor's trials, agent and verifier (the `harbor` node)
+    promote_z: float = 1.96  # ... plus this many paired standard errors (1.96: the 95% interval above it; 0 = off)
+    incumbent: str = ""  # pipeline: the checkpoint the last row must beat; "" = the row before it (SFT)
+
+
+@dataclass
+class HarborConfig:
+    """The Harbor harness (eval.harness=harbor): which Harbor agent and environment run the trials."""
+
+    agent: str = "terminus-2"  # policy=model's agent; terminus-2 samples from tbexp's backend; oracle/nop are Harbor's
+    agent_kwargs: dict[str, Any] = field(default_factory=dict)  # the agent's own options, e.g. parser_name: xml
+    summarize: bool = False  # terminus-2's context summarization (off: a known source of degenerate episodes)
+    # "" = tbexp's own sandbox (sandbox=bwrap|docker) as a Harbor environment; else a Harbor environment type:
+    # daytona, modal, e2b, runloop, ... (they need their accounts; see docs/harbor-harness.md)
+    environment: str = ""
+    environment_kwargs: dict[str, Any] = field(default_factory=dict)  # that environment's own options
 
 
 @dataclass
@@ -234,7 +299,9 @@ class SamplingConfig:
 
 @dataclass
 class SFTConfig:
-    data: str = ""  # SFT jsonl (tbexp.trajectories); "" = collect the oracle's verified turns on the train tasks first
+    data: str = (
+        ""  # SFT jsonl (tbexp.episodes.trajectories); "" = collect the oracle's verified turns on the train tasks first
+    )
     steps: int = 150  # optimizer steps
     batch_size: int = 16  # conversations per step
     learning_rate: float = 3e-3
@@ -264,8 +331,13 @@ class GRPOConfig:
     weight_decay: float = 0.0
     grad_clip_norm: float = 1.0  # 0 = off
     loss_fn: RLLoss = RLLoss.importance_sampling
-    clip_low_threshold: float = 0.8  # ppo: ratio bounds
+    clip_low_threshold: float = 0.8  # ppo, cispo: token-ratio bounds
     clip_high_threshold: float = 1.2
+    gspo_clip_low_threshold: float = 0.9997  # gspo: sequence-ratio bounds (the GSPO paper's 3e-4 / 4e-4)
+    gspo_clip_high_threshold: float = 1.0004
+    dppo_mask_low: float = 0.2  # dppo: a token whose probability fell by more than this (A < 0) is dropped
+    dppo_mask_high: float = 0.2  # ... or rose by more than this (A > 0)
+    dppo_kl_tau: float = 0.0  # dppo: weight of the (logp - logp_sampler)^2 penalty on sampled tokens
     scale_by_std: bool = False  # advantage = (reward - group mean) / group std
     negative_weight: float = (
         1.0  # scales below-mean advantages; 1 = plain GRPO, 0 = learn from above-mean episodes only
@@ -281,7 +353,13 @@ class GRPOConfig:
     concurrency: int = 8  # episodes at once
     eval_every: int = 5  # steps between held-out evals (each keeps its checkpoint); the start is evaluated too
     eval_n_runs: int = 2  # runs per held-out task in those evals
+    harness: Harness = Harness.native  # harbor: rollouts are Harbor trials (the `harbor` node), trained on their tokens
     eval_at_start: bool = True  # score the starting weights as step 0, so "peak" can be "no RL step helped"
+    # Pipelined rollouts and online difficulty control (docs/grpo.md); all 0 = the synchronous loop of every step's
+    # groups_per_step groups, flat groups skipped.
+    max_off_policy_steps: int = 0  # k: step t's rollouts are sampled from the weights of step t-k while it trains
+    max_replaced_groups: int = 0  # a step samples at most this many fresh groups in place of ones that do not spread
+    retire_after: int = 0  # an RL task's groups in a row all solved or all unsolved before it is retired; 0 = never
 
 
 @dataclass
@@ -301,11 +379,11 @@ class CollectConfig:
 
 @dataclass
 class TrialConfig:
-    """Set by the Optuna sweeper (hydra/sweeper=tbexp_optuna) so a job can reach its trial; see tbexp.trial."""
+    """Set by the Optuna sweeper (hydra/sweeper=tbexp_optuna) so a job can reach its trial; see tbexp.study.trial."""
 
     number: int = -1  # the Optuna trial this job runs; -1 = not in a sweep
     study: str = ""  # study name
-    storage: str = ""  # the study's storage: an SQLAlchemy URL or a journal file path (tbexp.study)
+    storage: str = ""  # the study's storage: an SQLAlchemy URL or a journal file path (tbexp.study.storage)
     objective: str = ""  # the metric the job returns to the sweeper; "" = eval/reward (tbexp.__main__.OBJECTIVE)
     pruning_metric: str = ""  # the metric the job reports at its eval points; "" = report nothing
 
@@ -322,6 +400,7 @@ class Config:
     agent: AgentConfig = MISSING
     logger: LoggerConfig = MISSING
     eval: EvalConfig = field(default_factory=EvalConfig)
+    harbor: HarborConfig = field(default_factory=HarborConfig)
     collect: CollectConfig = field(default_factory=CollectConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
@@ -333,6 +412,18 @@ class Config:
     policy: Policy = Policy.oracle  # model needs a training backend
     seed: int = 0
 
+
+# Each option's own schema: `conf/<group>/<option>.yaml` names it first in its defaults list.
+OPTIONS = {
+    "reward": {
+        "binary": BinaryRewardConfig,
+        "per_test": RewardConfig,
+        "per_test_efficiency": PerTestEfficiencyRewardConfig,
+        "task_reward": TaskRewardConfig,
+    },
+    "backend": {"local": LocalBackendConfig, "tinker": TinkerBackendConfig},
+    "sandbox": {"bwrap": BwrapSandboxConfig, "docker": DockerSandboxConfig},
+}
 
 GROUPS = {
     "model": ModelConfig,
@@ -348,15 +439,19 @@ GROUPS = {
 
 
 def register() -> None:
-    """Make `conf/config.yaml` typed: `base_config`, plus each group's schema under `schema/<group>`.
+    """Make `conf/config.yaml` typed: `base_config`, each group's schema under `schema/<group>`, and each option's
+    under `schema/<group>/<option>`.
 
-    The group schemas live outside the groups themselves so that an unknown
+    The schemas live outside the groups themselves so that an unknown
     choice (`reward=nonsense`) lists only real options.
     """
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
     for group, schema in GROUPS.items():
         cs.store(group=f"schema/{group}", name=group, node=schema)
+    for group, options in OPTIONS.items():
+        for option, schema in options.items():
+            cs.store(group=f"schema/{group}", name=option, node=schema)
 
 
 class ConfigError(TbexpError, ValueError):
@@ -366,6 +461,7 @@ class ConfigError(TbexpError, ValueError):
 def check(cfg: Any) -> None:
     """Refuse values no stage could run with, naming the key: ranges and rules across fields (the schema's
     types and enums have already refused a wrong type or an unknown choice at composition)."""
+    _check_names(cfg)
     f = cfg.task_filter
     if not (0.0 <= f.lower <= 1.0 and 0.0 <= f.upper <= 1.0):
         raise ConfigError(f"task_filter.lower={f.lower}, task_filter.upper={f.upper}: bounds must lie in [0, 1]")
@@ -380,6 +476,8 @@ def check(cfg: Any) -> None:
     ):
         if value < 1:
             raise ConfigError(f"{key}={value}: must be at least 1")
+    if cfg.eval.promote_z < 0:
+        raise ConfigError(f"eval.promote_z={cfg.eval.promote_z}: must be >= 0 (0 = decide on the difference alone)")
     for key, value in (("backend.threads", cfg.backend.threads), ("backend.train_threads", cfg.backend.train_threads)):
         if value < 0:
             raise ConfigError(f"{key}={value}: must be >= 0 (0 = the default)")
@@ -407,12 +505,31 @@ def check(cfg: Any) -> None:
     ):
         if value < 1:
             raise ConfigError(f"{key}={value}: must be at least 1")
+    for key, value in (
+        ("grpo.max_off_policy_steps", g.max_off_policy_steps),
+        ("grpo.max_replaced_groups", g.max_replaced_groups),
+        ("grpo.retire_after", g.retire_after),
+    ):
+        if value < 0:
+            raise ConfigError(f"{key}={value}: must be >= 0 (0 = off)")
     if g.group_size < 2:
         raise ConfigError(f"grpo.group_size={g.group_size}: a group needs at least 2 episodes to compare")
     if not 0.0 < g.clip_low_threshold < 1.0 < g.clip_high_threshold:
         raise ConfigError(
             f"grpo.clip_low_threshold={g.clip_low_threshold}, grpo.clip_high_threshold={g.clip_high_threshold}: need low < 1 < high"
         )
+    if not 0.0 < g.gspo_clip_low_threshold < 1.0 < g.gspo_clip_high_threshold:
+        raise ConfigError(
+            f"grpo.gspo_clip_low_threshold={g.gspo_clip_low_threshold}, "
+            f"grpo.gspo_clip_high_threshold={g.gspo_clip_high_threshold}: need low < 1 < high"
+        )
+    if min(g.dppo_mask_low, g.dppo_mask_high, g.dppo_kl_tau) < 0:
+        raise ConfigError(
+            f"grpo.dppo_mask_low={g.dppo_mask_low}, grpo.dppo_mask_high={g.dppo_mask_high}, "
+            f"grpo.dppo_kl_tau={g.dppo_kl_tau}: must be >= 0"
+        )
+    if g.loss_fn == "dppo" and cfg.backend.name == "tinker":
+        raise ConfigError("grpo.loss_fn=dppo runs on backend=local only (Tinker serves no DPPO): choose cispo or gspo")
     if not 0.0 <= g.negative_weight <= 1.0:
         raise ConfigError(
             f"grpo.negative_weight={g.negative_weight}: must lie in [0, 1] (0 keeps only the above-mean episodes)"
@@ -421,3 +538,21 @@ def check(cfg: Any) -> None:
         raise ConfigError(
             f"grpo.logit_scale_lr_factor={g.logit_scale_lr_factor}: must be >= 0 (0 keeps the logit scale where it starts)"
         )
+
+
+def _check_names(cfg: Any) -> None:
+    """A plug-in's `name` is a label: `backend.name=tinker` on the local backend's node would run local under
+    tinker's name, so it is refused, saying how to choose."""
+    from omegaconf import OmegaConf
+
+    for group in ("reward", "backend", "sandbox", "agent"):
+        node = cfg[group]
+        schema = OmegaConf.get_type(node)
+        if schema is None or not hasattr(schema, "name"):
+            continue
+        default = schema()
+        if node.name != default.name and node._target_ == default._target_:
+            raise ConfigError(
+                f"{group}.name={node.name}: the {group} is chosen by {group}=<option> (or {group}._target_), "
+                f"not by its name; this node runs {node._target_}"
+            )

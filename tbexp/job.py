@@ -6,8 +6,9 @@ result type), and what all stages share lives here:
 
 * `run_dir` and `cache_dir`: where the job writes, and the root of the result
   caches (`<cache_dir>/{tasks,trajectories,sft,evals,filter}`). `cache_dir` is the
-  config's top-level key; a `tasks.cache_dir` set on its own (older commands)
-  still moves the result caches beside it.
+  config's top-level key (default `$TBEXP_CACHE`); a `tasks.cache_dir` set on its own (older commands)
+  still moves the result caches beside it. It is also the process's `tbexp.cache.cache_root()`, where the
+  environment builds, the verifier's provisioning and converted tasks go.
 * `tasks(name)`: the named task sets `sft` (the train split's SFT part), `rl`
   (the filter's candidates) and `heldout` (what evals score), each loaded once.
 * `agent`, `sandbox_settings` (every episode's fresh sandbox is built from them),
@@ -28,7 +29,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from tbexp.tracking import Tracker, run_dir
+from tbexp.jobs.tracking import Tracker, run_dir
 
 if TYPE_CHECKING:  # the backends import torch and tinker: not needed to compose or print a config
     from tbexp.backends.base import Sampler, TrainingBackend
@@ -40,6 +41,11 @@ TASK_SETS = ("sft", "rl", "heldout")
 class Job:
     cfg: Any
     run_dir: Path = field(default_factory=run_dir)
+
+    def __post_init__(self) -> None:
+        from tbexp.cache import use_root
+
+        use_root(self.cache_dir)  # the one source: what runs below the config (environment builds...) reads it
 
     @cached_property
     def cache_dir(self) -> Path:
@@ -74,9 +80,12 @@ class Job:
     def sandbox_settings(self) -> Any:
         return self.cfg.sandbox
 
-    @property
+    @cached_property
     def reward(self) -> Any:
-        return self.cfg.reward
+        """The reward function `reward._target_` names, bound to the node's options (tbexp.episodes.rewards)."""
+        from tbexp.episodes.rewards import make_reward
+
+        return make_reward(self.cfg.reward)
 
     def tracker(self, folder: Path) -> Tracker:
         return Tracker(folder, self.cfg.logger)
@@ -88,29 +97,47 @@ class Job:
 
 @dataclass(frozen=True)
 class TrainedCheckpoint:
-    """A training stage's result: the checkpoint it chose and its numbers. In summaries (summary.json, the
-    pipeline's state file) the checkpoint stands among the numbers under KEY, as it always has."""
+    """A training stage's result: the checkpoint it chose, its numbers, and that checkpoint written for use
+    without tbexp. In summaries (summary.json, the pipeline's state file) the checkpoint stands among the numbers
+    under KEY, as it always has, and the export beside it under `<stage>/adapter` (a PEFT adapter directory) or
+    `<stage>/hf_model` (full fine-tuning: the whole model in Hugging Face format)."""
 
     KEY: ClassVar[str] = "checkpoint"
+    EXPORT_KINDS: ClassVar[tuple[str, ...]] = ("adapter", "hf_model")
     checkpoint: str
     metrics: dict[str, float]
+    exported: dict[str, str] = field(default_factory=dict)  # export kind -> directory
 
     def summary(self) -> dict[str, Any]:
-        return {**self.metrics, self.KEY: self.checkpoint}
+        return {**self.metrics, self.KEY: self.checkpoint, **{self._key(k): v for k, v in self.exported.items()}}
 
     @classmethod
     def from_summary(cls, summary: dict[str, Any]) -> TrainedCheckpoint:
-        return cls(summary[cls.KEY], {k: v for k, v in summary.items() if k != cls.KEY})
+        exported = {kind: summary[cls._key(kind)] for kind in cls.EXPORT_KINDS if cls._key(kind) in summary}
+        export_keys = {cls._key(kind) for kind in cls.EXPORT_KINDS}
+        metrics = {k: v for k, v in summary.items() if k != cls.KEY and k not in export_keys}
+        return cls(summary[cls.KEY], metrics, exported)
+
+    @classmethod
+    def _key(cls, kind: str) -> str:
+        stage = cls.KEY.rpartition("/")[0]
+        return f"{stage}/{kind}" if stage else kind
 
 
 class ModelHost:
-    """The base model, loaded once per job; trainers and samplers over it."""
+    """The base model, loaded once per job; trainers and samplers over it, made by the host that `backend._target_`
+    names (tbexp.build.LocalHost, tbexp.build.TinkerHost)."""
 
     def __init__(self, cfg: Any):
+        from tbexp.build import make_host
+
         self.cfg = cfg
-        self.loads = 0  # how many times base weights were loaded (one per distinct set of weights is the aim)
-        self._engine: Any = None  # backend=local: the one loaded model
-        self._service: Any = None  # backend=tinker: the one service connection
+        self._host = make_host(cfg)
+
+    @property
+    def loads(self) -> int:
+        """How many times base weights were loaded (one per distinct set of weights is the aim)."""
+        return self._host.loads
 
     def runtime(self, sampler: Sampler, settings: Any, seed: int | None) -> Any:
         """What model-policy episodes share: `sampler`, the renderer, `settings` (a sampling node), seeds from `seed`."""
@@ -120,40 +147,11 @@ class ModelHost:
 
     def trainer(self, save_dir: Path, start: str = "", logit_scale_lr_factor: float = 0.0) -> TrainingBackend:
         """A training run on the base model from `start`'s weights ("" = fresh adapters), with a fresh optimizer."""
-        if self.cfg.backend.name == "local":
-            engine = self._local()
-            engine.restart(save_dir, logit_scale_lr_factor)
-        else:
-            engine = self._tinker_trainer()
+        engine = self._host.trainer(save_dir, logit_scale_lr_factor)
         if start:
             engine.load_weights(start)
         return engine
 
     def sampler(self, checkpoint: str = "") -> Sampler:
         """A sampler over `checkpoint`'s weights ("" = the base model's); it needs no optimizer."""
-        if self.cfg.backend.name == "local":
-            return self._local().checkpoint_sampler(checkpoint)
-        from tbexp.backends.tinker_backend import sampling_client
-
-        return sampling_client(self._tinker_service(), self.cfg.model.path or self.cfg.model.name, checkpoint)
-
-    def _local(self):
-        if self._engine is None:
-            from tbexp.build import make_backend
-
-            self._engine = make_backend(self.cfg, self.cfg.cache_dir)  # save_dir is set by each trainer
-            self.loads += 1
-        return self._engine
-
-    def _tinker_service(self) -> Any:
-        if self._service is None:
-            from tbexp.backends.tinker_backend import _connect
-
-            self._service = _connect(self.cfg.backend.base_url)
-        return self._service
-
-    def _tinker_trainer(self) -> TrainingBackend:
-        from tbexp.build import make_backend
-
-        self.loads += 1  # a new LoRA training client: the service loads the base model for it
-        return make_backend(self.cfg, Path("."), service_client=self._tinker_service())
+        return self._host.sampler(checkpoint)

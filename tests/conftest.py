@@ -28,6 +28,15 @@ except ImportError:  # pragma: no cover - only while the Docker tests are absent
     pass
 
 
+@pytest.fixture(autouse=True)
+def _default_cache_root():
+    """A job built by one test makes its cache root the process's (tbexp.cache); the next test starts without it."""
+    from tbexp.cache import use_root
+
+    yield
+    use_root(None)
+
+
 def compose_config(*overrides: str):
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
         return compose("config", overrides=list(overrides))

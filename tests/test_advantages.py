@@ -1,4 +1,4 @@
-"""GRPO's arithmetic (tbexp.advantages) against numbers worked out by hand in the comments."""
+"""GRPO's arithmetic (tbexp.episodes.advantages) against numbers worked out by hand in the comments."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from tbexp.advantages import group_advantages, grpo_datums
-from tbexp.policies import SampledTokens, SampledTurn
+from tbexp.episodes.advantages import group_advantages, grpo_datums
+from tbexp.episodes.policies import SampledTokens, SampledTurn
 
 
 def _episode(task: str, turns: list[SampledTurn], tokens: list[int], invalid: str = ""):
@@ -90,10 +90,11 @@ def test_kl_penalty_lowers_the_advantage_where_the_policy_left_its_reference():
 
 
 def test_a_damaged_episode_is_scored_zero_and_taught_against_not_dropped():
-    # The agent broke its own sandbox (tbexp.verdicts): the episode is not invalid, its report is empty.
-    from tbexp.scoring import score_episodes
-    from tbexp.verdicts import NO_RESULT
-    from tbexp.verifier import TestReport
+    # The agent broke its own sandbox (tbexp.episodes.verdicts): the episode is not invalid, its report is empty.
+    from tbexp.episodes.rewards import per_test
+    from tbexp.episodes.scoring import score_episodes
+    from tbexp.episodes.verdicts import NO_RESULT
+    from tbexp.episodes.verifier import TestReport
 
     turns = [SampledTurn(1, [2], [-0.5])]
     win, wrecked = _episode("t", turns, [1, 2]), _episode("t", turns, [1, 2])
@@ -101,7 +102,7 @@ def test_a_damaged_episode_is_scored_zero_and_taught_against_not_dropped():
     wrecked.report, wrecked.damage = NO_RESULT, "the verifier gave no result after the agent's commands"
     for ep in (win, wrecked):
         ep.turns = [None]
-    rewards = score_episodes([win, wrecked], SimpleNamespace(name="per_test"))
+    rewards = score_episodes([win, wrecked], per_test)
     assert rewards == {id(win): 1.0, id(wrecked): 0.0}
     datums, counts = grpo_datums([win, wrecked], rewards, scale_by_std=False, reference=None, kl_coef=0.0)
     assert counts["datums"] == 2 and counts["groups_skipped"] == 0

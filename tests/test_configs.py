@@ -136,7 +136,7 @@ def test_bad_bounds_stop_the_command_before_any_work(tmp_path):
         ("stage.name=distill", "stage.name", "eval, collect, sft, filter, grpo, pipeline"),
         ("policy=oracel", "policy", "oracle, nop, model"),
         ("tasks.split=validation", "tasks.split", "train, heldout"),
-        ("grpo.loss_fn=reinforce", "grpo.loss_fn", "importance_sampling, ppo"),
+        ("grpo.loss_fn=reinforce", "grpo.loss_fn", "importance_sampling, ppo, cispo, gspo, dppo"),
         ("sft.lr_schedule=cosin", "sft.lr_schedule", "cosine, linear, constant"),
         ("pipeline.stages=[collect,sft,rlhf]", "pipeline.stages", "collect, sft, filter, grpo, eval"),
     ],
@@ -151,3 +151,66 @@ def test_unknown_choice_is_refused_at_composition_naming_key_and_choices(overrid
 def test_experiment_must_be_added_not_overridden():
     with pytest.raises(ConfigCompositionException):
         compose_config("experiment=eval")  # `experiment` is not in the defaults list: needs `+`
+
+
+@pytest.mark.parametrize(
+    "group,option,schema,own_key",
+    [
+        ("backend", "local", "LocalBackendConfig", "packing=true"),
+        ("backend", "tinker", "TinkerBackendConfig", "base_url=http://127.0.0.1:1"),
+        ("sandbox", "bwrap", "BwrapSandboxConfig", "environment_source=debootstrap"),
+        ("sandbox", "docker", "DockerSandboxConfig", "max_lifetime_s=60"),
+        ("reward", "per_test_efficiency", "PerTestEfficiencyRewardConfig", "tests_weight=0.5"),
+    ],
+)
+def test_each_option_has_its_own_schema_and_takes_its_own_keys(group, option, schema, own_key):
+    from omegaconf import OmegaConf
+
+    cfg = compose_config(f"{group}={option}", f"{group}.{own_key}")
+    assert OmegaConf.get_type(cfg[group]).__name__ == schema
+    check(cfg)
+
+
+@pytest.mark.parametrize(
+    "overrides,line",
+    [
+        (["backend=tinker", "backend.packing=true"], "Key 'packing' not in 'TinkerBackendConfig'"),  # local's key
+        (["backend.base_url=http://x"], "Key 'base_url' not in 'LocalBackendConfig'"),  # tinker's key
+        (
+            ["sandbox=docker", "sandbox.environment_source=docker"],
+            "Key 'environment_source' not in 'DockerSandboxConfig'",
+        ),
+        (["sandbox.max_lifetime_s=60"], "Key 'max_lifetime_s' not in 'BwrapSandboxConfig'"),
+        (["sandbox=docker", "sandbox.cpu=2"], "Key 'cpu' not in 'DockerSandboxConfig'"),
+    ],
+)
+def test_a_key_the_chosen_option_does_not_have_is_refused_in_one_line(overrides, line):
+    out = subprocess.run(
+        [sys.executable, "-m", "tbexp", *overrides], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode != 0
+    assert line in out.stderr.splitlines(), out.stderr  # one line names the key and the option's schema
+
+
+@pytest.mark.parametrize("group,option", [("backend", "tinker"), ("reward", "binary"), ("sandbox", "docker")])
+def test_choosing_a_plug_in_by_its_name_is_refused_saying_how_to_choose(group, option):
+    cfg = compose_config(f"{group}.name={option}")
+    with pytest.raises(ConfigError, match=f"{group}.name={option}: the {group} is chosen by {group}=<option>"):
+        check(cfg)
+
+
+@pytest.mark.parametrize(
+    "group,option,target",
+    [
+        ("backend", "local", "tbexp.build.LocalHost"),
+        ("backend", "tinker", "tbexp.build.TinkerHost"),
+        ("reward", "binary", "tbexp.episodes.rewards.binary"),
+        ("reward", "task_reward", "tbexp.episodes.rewards.task_reward"),
+    ],
+)
+def test_reward_and_backend_are_chosen_by_target(group, option, target):
+    from hydra.utils import get_object
+
+    node = compose_config(f"{group}={option}")[group]
+    assert node._target_ == target and node.name == option
+    get_object(target)  # the target exists

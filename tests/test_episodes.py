@@ -1,4 +1,4 @@
-"""Whole episodes under abuse: each gets the verdict tbexp.verdicts prescribes, and the host and the other episodes are untouched."""
+"""Whole episodes under abuse: each gets the verdict tbexp.episodes.verdicts prescribes, and the host and the other episodes are untouched."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from tbexp.agents.base import make_agent
-from tbexp.policies import make_policy
-from tbexp.rewards import per_test
-from tbexp.rollout import run_episode
+from tbexp.episodes.policies import make_policy
+from tbexp.episodes.rewards import per_test
+from tbexp.episodes.rollout import run_episode
 from tbexp.tasks import load_task
 from tests.conftest import REPO, compose_config, leftover_state, make_task
 

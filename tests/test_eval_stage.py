@@ -130,7 +130,7 @@ def test_broken_task_toml_is_refused_naming_the_file(tmp_path):
 def _fake(name: str, run: int, strict: bool | None, invalid: str = "", damage: str = ""):
     from types import SimpleNamespace
 
-    from tbexp.verifier import FAILED, PASSED, TestReport
+    from tbexp.episodes.verifier import FAILED, PASSED, TestReport
 
     report = None if invalid else TestReport({"a": PASSED if strict else FAILED})
     return SimpleNamespace(
@@ -142,13 +142,14 @@ def _fake(name: str, run: int, strict: bool | None, invalid: str = "", damage: s
         turns=[None],
         n_commands=1,
         n_valid_commands=1,
+        network="",
     )
 
 
 def test_metrics_over_no_valid_episode_are_nan_and_say_why():
     import math
 
-    from tbexp.scoring import no_valid_reason, summarize, task_rows
+    from tbexp.episodes.scoring import no_valid_reason, summarize, task_rows
 
     broken = [_fake("t", r, None, invalid="SandboxError: cannot start a container") for r in range(3)] + [
         _fake("u", 0, None, invalid="VerifierError: x")
@@ -163,7 +164,7 @@ def test_metrics_over_no_valid_episode_are_nan_and_say_why():
 
 
 def test_strict_success_all_counts_invalid_episodes_as_failures_and_damage_is_counted():
-    from tbexp.scoring import no_valid_reason, summarize, task_rows
+    from tbexp.episodes.scoring import no_valid_reason, summarize, task_rows
 
     episodes = [
         _fake("t", 0, True),

@@ -22,7 +22,7 @@ def test_a_sweep_trial_hears_the_latest_or_the_peak_held_out_reward(tmp_path, me
     """
     import optuna
 
-    from tbexp.study import load_study, open_storage
+    from tbexp.study.storage import load_study, open_storage
 
     storage = f"sqlite:///{tmp_path}/optuna.db"
     optuna.create_study(study_name="s", storage=open_storage(storage), direction="maximize").ask()
@@ -121,6 +121,21 @@ def test_steps_log_where_time_went_and_keep_the_peak(warm_start, tmp_path, monke
     assert not (tmp_path / "checkpoints" / "step-00001").exists()  # superseded and not an eval point
 
 
+def _killed_in_step_2(run_dir, monkeypatch, checkpoint, settings) -> None:
+    """A run killed in the third step's update, after the second step's checkpoint."""
+    real_step = grpo_stage._step
+
+    def dies_at_step_2(job, backend, reference, rollouts, step):
+        if step == 2:
+            raise KeyboardInterrupt
+        return real_step(job, backend, reference, rollouts, step)
+
+    monkeypatch.setattr(grpo_stage, "_step", dies_at_step_2)
+    with pytest.raises(KeyboardInterrupt):
+        _grpo(run_dir, monkeypatch, checkpoint, *settings)
+    monkeypatch.setattr(grpo_stage, "_step", real_step)
+
+
 @pytest.mark.slow
 @pytest.mark.sandbox
 def test_a_resumed_run_ends_where_an_uninterrupted_one_does(warm_start, tmp_path, monkeypatch):
@@ -134,17 +149,7 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_does(warm_start, tmp_path
         "reward=per_test",
     )
     _grpo(tmp_path / "straight", monkeypatch, warm_start, *settings)
-    real_step = grpo_stage._step
-
-    def dies_at_step_2(job, backend, reference, tasks, step):
-        if step == 2:
-            raise KeyboardInterrupt  # killed during the third step, after the second step's checkpoint
-        return real_step(job, backend, reference, tasks, step)
-
-    monkeypatch.setattr(grpo_stage, "_step", dies_at_step_2)
-    with pytest.raises(KeyboardInterrupt):
-        _grpo(tmp_path / "resumed", monkeypatch, warm_start, *settings)
-    monkeypatch.setattr(grpo_stage, "_step", real_step)
+    _killed_in_step_2(tmp_path / "resumed", monkeypatch, warm_start, settings)
     _grpo(tmp_path / "resumed", monkeypatch, warm_start, *settings)
 
     straight, resumed = _rows(tmp_path / "straight"), _rows(tmp_path / "resumed")
@@ -161,7 +166,7 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_does(warm_start, tmp_path
 @pytest.mark.slow
 @pytest.mark.sandbox
 def test_a_broken_episode_is_dropped_and_the_step_goes_on(warm_start, tmp_path, monkeypatch):
-    import tbexp.rollout as rollout
+    import tbexp.episodes.rollout as rollout
     from tbexp.sandboxes.base import SandboxError
 
     real_make_sandbox = rollout.make_sandbox
@@ -184,10 +189,55 @@ def test_a_broken_episode_is_dropped_and_the_step_goes_on(warm_start, tmp_path, 
 
 
 def test_no_kept_tasks_is_a_clear_error(tmp_path):
-    from tbexp.trajectories import DataError
+    from tbexp.episodes.trajectories import DataError
 
     kept = tmp_path / "kept_tasks.json"
     kept.write_text(json.dumps({"kept": [], "rates": {"tbexp/file-move-0001": 0.0, "tbexp/file-move-0002": 1.0}}))
     job = compose_job("stage=grpo", f"grpo.tasks_file={kept}", "tasks.limit=3", "tasks.families=[file-move]")
     with pytest.raises(DataError, match=r"no RL tasks kept \(solve rate in \[0.1, 0.8\] of 2 candidates rated\)"):
         grpo_stage.rl_tasks(job, "", tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.sandbox
+def test_pipelined_rollouts_with_replacement_resume_where_an_uninterrupted_run_ends(warm_start, tmp_path, monkeypatch):
+    """max_off_policy_steps=1: step t trains on rollouts from the weights of step t-1, sampled while step t-1
+    trained; flat groups are replaced from the spare task and tasks retire. Killed in the third update with
+    the fourth step's rollouts in flight, the resumed run samples those again from the same weights."""
+    settings = (
+        "grpo.steps=4",
+        "grpo.groups_per_step=2",  # of the three tasks, one is the spare
+        "grpo.group_size=4",
+        "grpo.concurrency=1",
+        "grpo.eval_at_start=false",
+        "grpo.eval_every=4",
+        "grpo.learning_rate=0.05",
+        "grpo.max_off_policy_steps=1",
+        "grpo.max_replaced_groups=1",
+        "grpo.retire_after=1",
+    )
+    _grpo(tmp_path / "straight", monkeypatch, warm_start, *settings)
+    _killed_in_step_2(tmp_path / "resumed", monkeypatch, warm_start, settings)
+    state = json.loads((tmp_path / "resumed" / "grpo_state.json").read_text())
+    assert state["step"] == 2 and [p["step"] for p in state["plans"]] == [2]  # step 3's were in flight, unsaved
+    _grpo(tmp_path / "resumed", monkeypatch, warm_start, *settings)
+
+    straight, resumed = _rows(tmp_path / "straight"), _rows(tmp_path / "resumed")
+    steps = [r for r in straight if "rollout/reward_mean" in r]
+    assert [r["rollout/off_policy_steps"] for r in steps] == [0.0, 1.0, 1.0, 1.0]
+    assert any("train/loss" in r for r in steps), "no step trained: the comparison would prove nothing"
+    assert all(r["rollout/episodes"] == 4 * r["rollout/groups"] for r in steps)  # replaced groups counted in both
+    key = (
+        "rollout/reward_mean",
+        "rollout/sampled_tokens",
+        "rollout/replaced_groups",
+        "rollout/retired_tasks",
+        "train/loss",
+    )
+    assert [[r.get(k) for k in key] for r in steps] == [
+        [r.get(k) for k in key] for r in resumed if "rollout/reward_mean" in r
+    ]
+    w1 = load_file(tmp_path / "straight" / "checkpoints" / "step-00004" / "trainable.safetensors")
+    w2 = load_file(tmp_path / "resumed" / "checkpoints" / "step-00004" / "trainable.safetensors")
+    assert all(torch.equal(w1[k], w2[k]) for k in w1)
+    assert not (tmp_path / "straight" / "checkpoints" / "step-00002").exists()  # no longer sampled from: dropped

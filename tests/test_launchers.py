@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from tbexp import launchers
-from tbexp.preemption import interruptible
+from tbexp.jobs import launchers
+from tbexp.jobs.preemption import interruptible
 from tests.conftest import REPO, compose_config
 
-# Inside pytest, Hydra's schema-matching warning (silenced by tbexp.launchers in real runs) is let through again.
+# Inside pytest, Hydra's schema-matching warning (silenced by tbexp.jobs.launchers in real runs) is let through again.
 pytestmark = pytest.mark.filterwarnings("ignore:(?s).*is validated against ConfigStore schema:UserWarning")
 
 
@@ -40,7 +40,9 @@ def test_a_misspelt_launcher_key_is_refused_without_hydras_deprecation_warning()
         text=True,
         timeout=60,
     )
-    assert ok.returncode == 0 and "deprecated" not in ok.stderr  # tbexp.launchers silences the schema-matching warning
+    assert (
+        ok.returncode == 0 and "deprecated" not in ok.stderr
+    )  # tbexp.jobs.launchers silences the schema-matching warning
     typo = subprocess.run(
         [
             sys.executable,

@@ -193,6 +193,30 @@ def test_ppo_clips_the_ratio_and_zeroes_the_clipped_gradient(tmp_path):
     assert any(torch.count_nonzero(g) > 0 for g in grads(b).values())
 
 
+@pytest.mark.parametrize(
+    "loss_fn,config",
+    [("cispo", None), ("gspo", {"clip_low_threshold": 0.5, "clip_high_threshold": 2.0}), ("dppo", None)],
+)
+@pytest.mark.parametrize("packing", [False, True])
+def test_rl_losses_do_not_depend_on_how_datums_share_micro_batches(tmp_path, loss_fn, config, packing):
+    """gspo's ratio is per datum: two datums in one packed row or padded batch give what they give apart."""
+    tokens = [random_tokens(9, seed=5), random_tokens(6, seed=6)]
+    adv = [[0.0] * 3 + [1.0] * 5, [0.0] * 2 + [-0.5] * 3]
+    shift = [[0.0] * 3 + [0.3, -0.2, 0.1, 0.4, -0.1], [0.0] * 2 + [0.2, -0.3, 0.25]]
+    results = []
+    for budget in (4096, 9):  # together in one micro-batch, then one datum per micro-batch
+        b = backend(tmp_path / str(budget), packing=packing, microbatch_tokens=budget)
+        with torch.no_grad():
+            q = [(reference_logprobs(b.model, t) + torch.tensor(d)).tolist() for t, d in zip(tokens, shift)]
+        data = [rl_datum(t, qi, a) for t, qi, a in zip(tokens, q, adv)]
+        results.append((b.forward_backward(data, loss_fn, config).result(), grads(b)))
+    (together, g_together), (apart, g_apart) = results
+    assert together.loss == pytest.approx(apart.loss, rel=1e-4, abs=1e-6)
+    assert any(torch.count_nonzero(g) > 0 for g in g_together.values())
+    for name, g in g_apart.items():
+        torch.testing.assert_close(g_together[name], g, atol=1e-5, rtol=1e-3)
+
+
 # ---- batching ----
 
 
@@ -305,8 +329,8 @@ def test_full_finetuning_trains_every_weight(tmp_path):
     b.optim_step(sgd(1e-3)).result()
     changed = [n for n, p in b._params.items() if not torch.equal(p, before[n])]
     assert "lm_head.weight" in changed and "model.layers.0.mlp.down_proj.weight" in changed
-    with pytest.raises(NotImplementedError):
-        b.export_adapter(str(tmp_path / "adapter"))
+    exported = b.export_checkpoint(b.save_state("full"), str(tmp_path))  # no adapter: the whole model instead
+    assert exported.kind == "hf_model" and "no adapter" in exported.describe()
 
 
 @pytest.mark.parametrize("merge", [False, True])
@@ -347,8 +371,6 @@ def test_logit_scale_trains_at_its_lr_factor_and_loads_from_checkpoints_without_
         b.load_state(plain)
     with pytest.raises(ValueError, match="model.logit_scale"):
         backend(tmp_path / "plain").load_weights(b.save_state("scaled"))
-    with pytest.raises(NotImplementedError, match="logit_scale"):
-        b.export_adapter(str(tmp_path / "adapter"))
 
 
 def test_a_resumed_state_trains_the_logit_scale_at_this_backends_factor(tmp_path):
@@ -435,8 +457,9 @@ def test_save_then_load_into_a_fresh_backend_continues_exactly(tmp_path):
 def test_exported_adapter_loads_in_peft_with_the_same_logits(tmp_path):
     b = backend(tmp_path)
     _train(b, range(2))
-    path = b.export_adapter(str(tmp_path / "adapter"))
-    loaded = PeftModel.from_pretrained(tiny_llama(), path).eval()
+    exported = b.export_checkpoint(b.save_state("trained"), str(tmp_path))
+    assert exported.kind == "adapter" and exported.path == str(tmp_path / "adapter")
+    loaded = PeftModel.from_pretrained(tiny_llama(), exported.path).eval()
     b.model.eval()
     ids = torch.tensor([random_tokens(15, seed=9)])
     with torch.no_grad():

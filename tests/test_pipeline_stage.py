@@ -40,6 +40,17 @@ def _tbexp(*args, timeout=1500):
     )
 
 
+def _assert_loads_in_plain_peft(grpo: dict, overrides: list[str], tmp_path) -> None:
+    from tbexp.backends.base import Export
+    from tbexp.models import TINY_DIR
+    from tests.conftest import compose_job
+    from tests.test_adapters import _assert_reproduces
+
+    exported = Export(grpo["grpo/adapter"], "adapter", str(TINY_DIR))
+    sampler = compose_job(*overrides).models.sampler(grpo["grpo/checkpoint"])
+    assert _assert_reproduces(exported, sampler, tmp_path) > 1e-3
+
+
 @pytest.mark.slow
 @pytest.mark.sandbox
 def test_pipeline_writes_the_base_sft_rl_table_and_resumes(rootfs, tmp_path):
@@ -59,6 +70,10 @@ def test_pipeline_writes_the_base_sft_rl_table_and_resumes(rootfs, tmp_path):
         ):
             assert key in summary[row], (row, key)
     assert summary["grpo"]["grpo/checkpoint"].startswith(str(run / "grpo" / "checkpoints"))
+    # The pipeline's output as a user loads it: plain transformers + peft, the final checkpoint's logprobs.
+    assert summary["grpo"]["grpo/adapter"] == str(run / "grpo" / "adapter")
+    assert (run / "sft" / "adapter" / "adapter_config.json").is_file()
+    _assert_loads_in_plain_peft(summary["grpo"], miniature, tmp_path)
     assert summary["filter"]["filter/kept"] == 4.0  # bounds [0, 1] keep every candidate
     assert "| sft+rl |" not in (run / "table.md").read_text() and "| rl |" in (run / "table.md").read_text()
     assert (run / "rl_curve.png").stat().st_size > 0

@@ -1,4 +1,4 @@
-"""`python -m tbexp.report --wandb`: the sweep report as a W&B Report (tbexp/report_wandb.py).
+"""`python -m tbexp.report --wandb`: the sweep report as a W&B Report (tbexp/study/report_wandb.py).
 
 W&B's service cannot be reached from the machine these tests were written on
 (only 127.0.0.1 is), so the two calls that talk to it are replaced by
@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tbexp.study import FAIL_REASON_ATTR, JOB_DIR_ATTR, OBJECTIVE_ATTR, PRUNING_METRIC_ATTR
+from tbexp.study.storage import FAIL_REASON_ATTR, JOB_DIR_ATTR, OBJECTIVE_ATTR, PRUNING_METRIC_ATTR
 from tests.conftest import REPO
 
 STUDY = "wb-demo"
@@ -61,7 +61,7 @@ def test_the_report_holds_the_local_reports_content_over_the_studys_runs(study):
     import wandb_workspaces.reports.v2 as wr
     from wandb_workspaces import expr
 
-    from tbexp.report_wandb import build_report
+    from tbexp.study.report_wandb import build_report
 
     report = build_report(study, top=2, project="sweeps", entity="me", group=STUDY)
     assert (report.title, report.project, report.entity) == (f"Sweep report: {STUDY}", "sweeps", "me")
@@ -107,7 +107,7 @@ def test_the_command_saves_the_report_and_prints_its_url(study, tmp_path, monkey
     import wandb
     import wandb_workspaces.reports.v2 as wr
 
-    from tbexp.report import main
+    from tbexp.study.report import main
 
     saved = []
 
@@ -178,7 +178,7 @@ def test_without_the_network_it_says_so_in_one_line(tmp_path, study):
 
 def test_the_local_report_does_not_import_the_reports_api(tmp_path, study):
     env = {k: v for k, v in os.environ.items() if k != "WANDB_MODE"}
-    code = f"import sys; from tbexp.report import main; main(['--storage', 'sqlite:///{tmp_path}/optuna.db', '--study', '{STUDY}', '--out', '{tmp_path}/report']); print('wandb_workspaces' in sys.modules)"
+    code = f"import sys; from tbexp.study.report import main; main(['--storage', 'sqlite:///{tmp_path}/optuna.db', '--study', '{STUDY}', '--out', '{tmp_path}/report']); print('wandb_workspaces' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "False"
@@ -187,7 +187,7 @@ def test_the_local_report_does_not_import_the_reports_api(tmp_path, study):
 def test_best_trials_are_found_by_the_run_name_tracking_gives_their_jobs(tmp_path, monkeypatch):
     from omegaconf import OmegaConf
 
-    from tbexp import tracking
+    from tbexp.jobs import tracking
 
     names = []
 

@@ -7,12 +7,18 @@ from types import SimpleNamespace
 
 import pytest
 
-from tbexp.rewards import binary, per_test, per_test_efficiency, score_group
-from tbexp.verifier import FAILED, PASSED, SKIPPED, TestReport, VerifierError, read_results
+from tbexp.episodes.rewards import RewardError, binary, make_reward, per_test, per_test_efficiency
+from tbexp.episodes.verifier import FAILED, PASSED, SKIPPED, TestReport, VerifierError, read_results
+from tests.conftest import compose_config
 
 FULL = TestReport({"a": PASSED, "b": PASSED, "c": PASSED})
 TWO_OF_THREE = TestReport({"a": PASSED, "b": PASSED, "c": FAILED})
 NONE = TestReport({"a": FAILED, "b": FAILED, "c": FAILED})
+
+
+def _reward(option: str, *overrides: str):
+    """The reward `reward=<option>` chooses, as the job builds it (by the node's `_target_`)."""
+    return make_reward(compose_config(f"reward={option}", *overrides).reward)
 
 
 def test_binary_and_per_test():
@@ -39,13 +45,23 @@ def test_efficiency_bonus_goes_to_faster_successes_only():
 def test_efficiency_weights_are_configurable_and_equal_turns_share_the_bonus():
     scores = per_test_efficiency([FULL, FULL], [4, 4], tests_weight=0.5, efficiency_weight=0.5)
     assert scores == [1.0, 1.0]
-    settings = SimpleNamespace(name="per_test_efficiency", tests_weight=0.6, efficiency_weight=0.4)
-    assert score_group(settings, [FULL, NONE], [3, 3]) == [pytest.approx(1.0), 0.0]
+    reward = _reward("per_test_efficiency", "reward.tests_weight=0.6", "reward.efficiency_weight=0.4")
+    assert reward([FULL, FULL, NONE], [3, 5, 3]) == [pytest.approx(1.0), pytest.approx(0.6), 0.0]
 
 
-def test_unknown_reward_is_refused():
-    with pytest.raises(ValueError, match="reward.name"):
-        score_group(SimpleNamespace(name="vibes"), [FULL], [1])
+def test_the_reward_is_chosen_by_its_target_and_an_unknown_one_is_refused():
+    settings = SimpleNamespace(_target_="tbexp.episodes.rewards.binary", name="per_test", task_reward="reward")
+    assert make_reward(settings)([TWO_OF_THREE], [1]) == [0.0]  # binary's score: the label does not choose
+    with pytest.raises(RewardError, match="reward._target_='tbexp.episodes.rewards.vibes'"):
+        make_reward(SimpleNamespace(_target_="tbexp.episodes.rewards.vibes", name="vibes"))
+
+
+def test_a_key_of_another_reward_is_refused_by_its_schema():
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException) as err:
+        compose_config("reward=binary", "reward.tests_weight=0.5")
+    assert "Key 'tests_weight' not in 'BinaryRewardConfig'" in str(err.value.__cause__ or err.value)
 
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" tests="4">
@@ -108,25 +124,25 @@ def test_every_named_reward_is_kept_and_the_reward_chooses_which_it_reads(tmp_pa
     report = read_results(tmp_path)
     assert report.rewards == {"reward": 0.0, "quality": 0.75, "speed": 2.0}
     assert per_test([report], [1]) == [0.0]  # the default reads `reward`, as before
-    assert score_group(SimpleNamespace(name="per_test", task_reward="quality"), [report], [1]) == [0.75]
-    assert score_group(SimpleNamespace(name="binary", task_reward="quality"), [report], [1]) == [0.0]
-    assert score_group(SimpleNamespace(name="task_reward", task_reward="speed"), [report, TestReport()], [1, 1]) == [
+    assert _reward("per_test", "reward.task_reward=quality")([report], [1]) == [0.75]
+    assert _reward("binary", "reward.task_reward=quality")([report], [1]) == [0.0]
+    assert _reward("task_reward", "reward.task_reward=speed")([report, TestReport()], [1, 1]) == [
         2.0,
         0.0,
     ]
     with_tests = TestReport({"a": PASSED, "b": FAILED}, {"reward": 0.0, "quality": 0.9})
-    assert score_group(SimpleNamespace(name="per_test", task_reward="quality"), [with_tests], [1]) == [0.5]  # tests win
-    assert score_group(SimpleNamespace(name="task_reward", task_reward="quality"), [with_tests], [1]) == [0.9]
+    assert _reward("per_test", "reward.task_reward=quality")([with_tests], [1]) == [0.5]  # tests win
+    assert _reward("task_reward", "reward.task_reward=quality")([with_tests], [1]) == [0.9]
 
 
 def test_a_task_reward_the_task_does_not_write_is_refused_naming_it():
     with pytest.raises(ValueError, match="reward.task_reward='quality'.*'reward'"):
-        score_group(SimpleNamespace(name="task_reward", task_reward="quality"), [TestReport({}, {"reward": 1.0})], [1])
+        _reward("task_reward", "reward.task_reward=quality")([TestReport({}, {"reward": 1.0})], [1])
 
 
 def test_pytest_tasks_are_told_from_reward_file_tasks(tmp_path):
+    from tbexp.episodes.verifier import runs_pytest
     from tbexp.tasks import load_task
-    from tbexp.verifier import runs_pytest
     from tests.conftest import make_task
 
     assert runs_pytest(load_task(make_task(tmp_path, "pytest-files")))
@@ -153,6 +169,6 @@ def test_pytest_tasks_are_told_from_reward_file_tasks(tmp_path):
     ],
 )
 def test_a_test_sh_runs_pytest_when_a_command_names_it(script, calls):
-    from tbexp.verifier import _calls_pytest
+    from tbexp.episodes.verifier import _calls_pytest
 
     assert _calls_pytest(script) is calls

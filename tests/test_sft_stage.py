@@ -84,9 +84,9 @@ def test_stalled_counts_evaluations_since_the_best():
 
 
 def test_overlong_conversations_are_counted(gold, tmp_path, monkeypatch):
+    from tbexp.episodes.trajectories import read_conversations
     from tbexp.models import load_model
-    from tbexp.renderers import make_renderer
-    from tbexp.trajectories import read_conversations
+    from tbexp.models.renderers import make_renderer
 
     cfg = compose_config()
     renderer = make_renderer(cfg.model.renderer, load_model(cfg.model)[1])

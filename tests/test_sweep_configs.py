@@ -65,7 +65,7 @@ def test_grpo_sweep_prunes_at_the_rungs_and_never_at_the_last_eval_of_the_defaul
 
     import optuna
 
-    from tbexp.study import make_pruner
+    from tbexp.study.storage import make_pruner
 
     cfg = compose_with_hydra("+sweep=grpo_optuna")
     pruner = make_pruner(OmegaConf.to_container(cfg.hydra.sweeper.pruner))
@@ -88,7 +88,7 @@ def test_grpo_sweep_prunes_at_the_rungs_and_never_at_the_last_eval_of_the_defaul
 
 
 def test_successive_halving_is_built_from_its_fields_and_a_misspelt_pruner_is_named():
-    from tbexp.study import make_pruner
+    from tbexp.study.storage import make_pruner
 
     pruner = make_pruner({"name": "successive_halving", "min_resource": 3, "reduction_factor": 4})
     assert (pruner._min_resource, pruner._reduction_factor) == (3, 4)
@@ -117,7 +117,7 @@ def test_misspelt_sweeper_key_names_the_key():
 
 
 def test_report_outside_a_sweep_does_nothing():
-    from tbexp import trial
+    from tbexp.study import trial
 
     cfg = compose_with_hydra()
     assert cfg.trial.number == -1

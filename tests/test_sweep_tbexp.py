@@ -12,7 +12,7 @@ import pytest
 from omegaconf import OmegaConf
 from optuna.trial import TrialState
 
-from tbexp.study import JOB_DIR_ATTR, open_storage
+from tbexp.study.storage import JOB_DIR_ATTR, open_storage
 from tests.conftest import REPO
 
 

@@ -22,7 +22,14 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from tbexp.study import FAIL_REASON_ATTR, INTERRUPTED_ATTR, JOB_DIR_ATTR, PRUNED_AT_ATTR, RETRY_OF_ATTR, open_storage
+from tbexp.study.storage import (
+    FAIL_REASON_ATTR,
+    INTERRUPTED_ATTR,
+    JOB_DIR_ATTR,
+    PRUNED_AT_ATTR,
+    RETRY_OF_ATTR,
+    open_storage,
+)
 from tests.conftest import REPO
 from tests.postgres_service import postgres_url  # noqa: F401
 
@@ -298,7 +305,7 @@ def test_report_from_local_data(tmp_path):
 
 def test_report_curves_find_a_pipeline_jobs_steps_in_its_stage_folder(tmp_path):
     """A pipeline job's own metrics.jsonl holds one row of results; GRPO's held-out curve is in grpo/metrics.jsonl."""
-    from tbexp.report import metric_series
+    from tbexp.study.queries import metric_series
 
     (tmp_path / "grpo").mkdir()
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0, "rl/eval/reward": 0.5}) + "\n")

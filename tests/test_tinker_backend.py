@@ -35,6 +35,7 @@ class StandInTraining:
 
     def forward_backward(self, data, loss_fn, loss_fn_config=None):
         self.log.append(f"submit forward_backward {loss_fn}")
+        self.loss_fn_config = loss_fn_config
         outputs = [
             {
                 "logprobs": types.TensorData.from_numpy(
@@ -188,3 +189,24 @@ def test_lora_targets_map_to_the_services_switches():
     service = StandInService()
     TinkerBackend("Qwen/Qwen3-8B", lora_rank=16, lora_targets=["q_proj", "v_proj"], service_client=service)
     assert service.log[0] == "create Qwen/Qwen3-8B rank=16 attn=True mlp=False unembed=False"
+
+
+@pytest.mark.parametrize(
+    "loss_fn,sent",
+    [
+        ("cispo", {"clip_low_threshold": 0.8, "clip_high_threshold": 1.5}),
+        ("gspo", {"clip_low_threshold": 1 - 3e-4, "clip_high_threshold": 1.5}),
+    ],
+)
+def test_cispo_and_gspo_go_to_tinkers_own_losses_with_every_key_filled_in(loss_fn, sent):
+    service = StandInService()
+    backend = TinkerBackend("Qwen/Qwen3-8B", lora_rank=32, service_client=service)
+    backend.forward_backward([_datum()], loss_fn, {"clip_high_threshold": 1.5}).result()
+    assert service.log[-2] == f"submit forward_backward {loss_fn}"
+    assert backend.client.loss_fn_config == sent
+
+
+def test_dppo_is_refused_by_name_on_tinker():
+    backend = TinkerBackend("Qwen/Qwen3-8B", lora_rank=32, service_client=StandInService())
+    with pytest.raises(BackendError, match="dppo runs on backend=local only.*cispo, gspo"):
+        backend.forward_backward([_datum()], "dppo")

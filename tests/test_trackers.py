@@ -10,13 +10,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tbexp.tracking import Tracker, redact
+from tbexp.jobs.tracking import Tracker, redact
 from tests.conftest import REPO, compose_config
 
 SECRET = "hunter2"
 # Places a secret can sit in a composed config: a URL with credentials in it (the Tinker base URL, a study
 # storage). Secret-named keys (api_key, token...) are covered by test_redact.
 WITH_SECRETS = [
+    "backend=tinker",  # base_url is a Tinker option; the oracle's eval never calls the service
     f"backend.base_url=https://me:{SECRET}@tinker.example/v1",
     f"trial.storage=postgresql://tb:{SECRET}@127.0.0.1/optuna",
 ]
@@ -154,7 +155,7 @@ def _wandb_records(path: Path):
 
 def test_note_result_puts_the_jobs_numbers_in_its_run_summary(monkeypatch):
     """The W&B sweep report reads each run's objective from its summary; the pipeline logs its rows under other names."""
-    from tbexp import tracking
+    from tbexp.jobs import tracking
 
     noted = []
 

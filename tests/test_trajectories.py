@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tbexp.trajectories import DataError, read_conversations, write_conversations
+from tbexp.episodes.trajectories import DataError, read_conversations, write_conversations
 
 
 def _write(tmp_path, lines):

@@ -26,9 +26,9 @@ PRELOAD = [
     "hydra_plugins.tbexp_optuna_sweeper._jobs",
     "hydra._internal.core_plugins.basic_launcher",
     "cloudpickle",
-    "tbexp.trial",
-    "tbexp.study",
-    "optuna",  # tbexp.trial.report opens the study: Optuna, SQLAlchemy and the RDB storage's Alembic
+    "tbexp.study.trial",
+    "tbexp.study.storage",
+    "optuna",  # tbexp.study.trial.report opens the study: Optuna, SQLAlchemy and the RDB storage's Alembic
     "optuna.storages._rdb.storage",
     "optuna.storages._rdb.models",
     "sqlalchemy.orm",

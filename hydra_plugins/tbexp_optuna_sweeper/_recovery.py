@@ -12,7 +12,7 @@ queued again (`retry_of`), so killing the sweeper loses no trial and repeats
 none that finished; interrupted trials do not count against `n_trials`. Its
 retry gets a new trial number and so a new job directory: the old job may
 still be running (a SLURM job outlives its sweeper) and will stop at its
-next report, when it finds its trial finished (tbexp.trial).
+next report, when it finds its trial finished (tbexp.study.trial).
 """
 
 from __future__ import annotations
@@ -24,7 +24,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tbexp.study import FAIL_REASON_ATTR, HEARTBEAT_ATTR, INTERRUPTED_ATTR, JOB_OFFSET_ATTR, OWNER_ATTR, RETRY_OF_ATTR
+from tbexp.study.storage import (
+    FAIL_REASON_ATTR,
+    HEARTBEAT_ATTR,
+    INTERRUPTED_ATTR,
+    JOB_OFFSET_ATTR,
+    OWNER_ATTR,
+    RETRY_OF_ATTR,
+)
 
 log = logging.getLogger(__name__)
 

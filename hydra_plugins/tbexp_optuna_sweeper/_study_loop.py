@@ -6,7 +6,7 @@ since every later trial would fail the same way) → launch the job on a thread
 → when any job ends: tell. COMPLETE with the job's value; FAIL when the job
 raised, returned no finite number, was killed or timed out (the reason is
 kept in the trial's `fail_reason`); PRUNED when the job pruned itself through
-tbexp.trial. Then the next trial starts at once.
+tbexp.study.trial. Then the next trial starts at once.
 
 The budget `n_trials` is for the study, counted from the storage before each
 start, so a restarted sweep (or a second sweeper on the same study) only runs
@@ -27,7 +27,7 @@ from typing import Any, Mapping
 
 from omegaconf import OmegaConf, open_dict
 
-from tbexp.study import (
+from tbexp.study.storage import (
     FAIL_REASON_ATTR,
     INTERRUPTED_ATTR,
     JOB_DIR_ATTR,

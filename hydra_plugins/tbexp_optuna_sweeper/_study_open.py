@@ -4,7 +4,7 @@ The sampler's seed is offset by the trials the study already has, so a
 restarted sweep does not draw the same random points again. The pruner's
 settings, the objective and the pruning metric go into the study's user
 attributes: Optuna does not store a pruner, and each job rebuilds the same
-one from there (tbexp.trial); the report reads the rest.
+one from there (tbexp.study.trial); the report reads the rest.
 """
 
 from __future__ import annotations
@@ -14,7 +14,14 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from tbexp.study import OBJECTIVE_ATTR, PRUNER_ATTR, PRUNING_METRIC_ATTR, SWEEP_DIR_ATTR, make_pruner, open_storage
+from tbexp.study.storage import (
+    OBJECTIVE_ATTR,
+    PRUNER_ATTR,
+    PRUNING_METRIC_ATTR,
+    SWEEP_DIR_ATTR,
+    make_pruner,
+    open_storage,
+)
 
 
 class SweepError(Exception):

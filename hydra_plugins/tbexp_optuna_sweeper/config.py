@@ -65,7 +65,7 @@ class PrunerConf:
 class TbexpOptunaSweeperConf:
     _target_: str = "hydra_plugins.tbexp_optuna_sweeper.sweeper.TbexpOptunaSweeper"
     study_name: str = "tbexp"
-    storage: str = "sqlite:///multirun/optuna.db"  # SQLAlchemy URL or journal file path (tbexp.study); relative to the launch directory
+    storage: str = "sqlite:///multirun/optuna.db"  # SQLAlchemy URL or journal file path (tbexp.study.storage); relative to the launch directory
     objective: ObjectiveConf = field(default_factory=ObjectiveConf)
     sampler: SamplerConf = field(default_factory=SamplerConf)
     pruner: PrunerConf = field(default_factory=PrunerConf)

@@ -3,7 +3,9 @@
 An agent protocol turns a task into the first prompt, a model's reply into
 commands (`parse`), commands back into a reply (`format`, used by the
 oracle and for training data), and command results into the next
-observation. A command is *valid* when its reply parsed, it was executed,
+observation. The episode drives it through an `AgentSession` that the agent
+opens on the sandbox (`Agent.open`): the default, `CommandSession`, runs each
+command through a `ShellSession`; terminus-2 opens a tmux pane instead. A command is *valid* when its reply parsed, it was executed,
 and its exit status is not 126 (found but not executable) or 127 (not
 found): the shell ran it. A time-out or a failing exit status is still valid.
 """
@@ -15,7 +17,7 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
-from tbexp.sandboxes.base import ExecResult, Sandbox
+from tbexp.sandboxes.base import ExecResult, Sandbox, SandboxError
 from tbexp.tasks.harbor_task import Task
 
 INVALID_EXIT_CODES = (126, 127)
@@ -34,6 +36,7 @@ class Turn:
     reply: str
     action: Action
     results: list[ExecResult] = field(default_factory=list)
+    screen: str = ""  # a terminal agent's: what the terminal showed after the turn ("" for command agents)
 
     @property
     def n_commands(self) -> int:
@@ -65,6 +68,10 @@ class Agent(abc.ABC):
     @abc.abstractmethod
     def observe(self, turn: Turn) -> str:
         """The next user message after `turn` ran."""
+
+    def open(self, sandbox: Sandbox) -> "AgentSession":
+        """This protocol's terminal in one episode's sandbox (a multi-step task's steps share it)."""
+        return CommandSession(self, ShellSession(sandbox, sandbox.workdir))
 
     def _clip(self, text: str) -> str:
         limit = self.settings.observation_limit_chars
@@ -101,6 +108,64 @@ class ShellSession:
             f"__tbexp_rc=$?; {{ [ -d {s} ] || mkdir -p {s}; }} && pwd > {s}/cwd && export -p > {s}/env; exit $__tbexp_rc"
         )
         return self.sandbox.exec(script, timeout_s)
+
+
+@dataclass
+class Outcome:
+    """What one reply did: the turn as run, and the next user message (None: the episode ends)."""
+
+    turn: Turn
+    observation: str | None
+    damage: str = ""  # the agent's own actions broke the sandbox (the episode is still scored); "" when not
+
+
+class AgentSession(abc.ABC):
+    """One episode's terminal, as an agent protocol sees it: the first prompt, then one `step` per reply."""
+
+    stops_out_of_context = False  # a policy out of context ends the episode at once, with no reply of its own
+    sandbox: Sandbox  # the episode's, which the session's commands run in
+
+    @abc.abstractmethod
+    def begin(self, task: Task) -> str:
+        """The first user message for `task` (a step of a multi-step task: the next step's)."""
+
+    @abc.abstractmethod
+    def step(self, reply: str, history: list[Turn], deadline: float) -> Outcome:
+        """Run `reply`; stop what it runs at `deadline` (time.monotonic()), the agent's time-out."""
+
+    def alive(self) -> bool:
+        """Whether the terminal can take another turn."""
+        return True
+
+    def close(self) -> None:
+        """Release what the session holds; the sandbox itself is stopped by the episode."""
+
+
+class CommandSession(AgentSession):
+    """A command protocol's turns: each parsed command through a `ShellSession`, its results observed."""
+
+    def __init__(self, agent: Agent, shell: ShellSession):
+        self.agent, self.shell = agent, shell
+        self.sandbox = shell.sandbox
+
+    def begin(self, task: Task) -> str:
+        return self.agent.prompt(task)
+
+    def step(self, reply: str, history: list[Turn], deadline: float) -> Outcome:
+        import time
+
+        turn = Turn(reply, self.agent.parse(reply, history))
+        timeouts = turn.action.timeouts_s or [None] * len(turn.action.commands)
+        for command, timeout_s in zip(turn.action.commands, timeouts):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            limit = min(left, max(timeout_s or 0.0, self.shell.sandbox.settings.command_timeout_s))
+            try:
+                turn.results.append(self.shell.run(command, limit))
+            except (SandboxError, OSError) as err:  # the agent's command broke its sandbox: its failure, still scored
+                return Outcome(turn, None, f"a command broke the sandbox: {type(err).__name__}: {err}")
+        return Outcome(turn, None if turn.action.done else self.agent.observe(turn))
 
 
 def make_agent(settings: Any) -> Agent:

@@ -17,6 +17,8 @@ are **sums** over tokens, never means, exactly as Tinker defines them:
 * `ppo`: −Σ min(r·A, clip(r, 1−ε_low, 1+ε_high)·A), r = exp(logp − q);
   thresholds from `loss_fn_config` (`clip_low_threshold`, `clip_high_threshold`,
   default 0.8 / 1.2 as absolute ratio bounds).
+* `cispo`, `gspo` (served by Tinker too) and `dppo` (the local backend only):
+  rl_losses.py states each definition and its `loss_fn_config` keys.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Any, Generic, Protocol, TypeVar
 from tinker import types
 
 T = TypeVar("T")
-LOSSES = ("cross_entropy", "importance_sampling", "ppo")
+LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "gspo", "dppo")
 
 
 class Future(Protocol[T]):
@@ -51,6 +53,27 @@ class ForwardBackwardResult:
     n_tokens: float  # Σ weights (cross_entropy) or number of target tokens (RL losses)
     logprobs: list[list[float]] = field(default_factory=list)  # per datum, logp of each target token
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Export:
+    """A checkpoint written for use without tbexp (`export_checkpoint`; backends/adapters.py says how)."""
+
+    path: str
+    kind: str  # "adapter": PeftModel.from_pretrained(base, path) loads it; "hf_model": a whole model (full fine-tuning)
+    base_model: str  # the base model's Hub id or directory, as the adapter's config names it
+
+    def describe(self) -> str:
+        """What was written and the lines that load it."""
+        if self.kind == "adapter":
+            return (
+                f"PEFT adapter: {self.path}\n  load it with PeftModel.from_pretrained("
+                f"AutoModelForCausalLM.from_pretrained({self.base_model!r}), {self.path!r})"
+            )
+        return (
+            f"full fine-tuning has no adapter to export; the whole model in Hugging Face format: {self.path}\n"
+            f"  load it with AutoModelForCausalLM.from_pretrained({self.path!r})"
+        )
 
 
 @dataclass
@@ -112,6 +135,8 @@ class TrainingBackend(abc.ABC):
     def load_weights(self, path: str) -> None:
         """Only the weights of a saved state, with a fresh optimizer: a new stage starting from a checkpoint."""
 
-    def export_adapter(self, path: str) -> str:
-        """Write a LoRA adapter that `PeftModel.from_pretrained(base, path)` loads."""
-        raise NotImplementedError(f"{type(self).__name__} cannot export adapters")
+    def export_checkpoint(self, checkpoint: str, folder: str) -> Export:
+        """Write `checkpoint` (a `save_state` path or URI) for use without tbexp: a PEFT adapter in `folder/adapter`
+        that `PeftModel.from_pretrained(base, folder/adapter)` loads, or, where there is no adapter (full
+        fine-tuning), the whole model in Hugging Face format in `folder/hf_model`."""
+        raise NotImplementedError(f"{type(self).__name__} cannot export checkpoints")

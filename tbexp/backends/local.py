@@ -22,7 +22,8 @@ defines it — is backpropagated at once, and gradients add up until
 losses and logprobs stay there until the call's end, so a call syncs with
 the device once. The whole call runs eagerly; the returned future is
 already done. With `train_threads`, forward_backward, forward and optim_step
-run on that many torch CPU threads (sampling keeps the process's setting):
+run on that many torch CPU threads (sampling keeps the process's setting; a
+callable is asked before each call, so a job can follow its share of the cores):
 the stages update only between rollouts, when the sandboxes' cores are free.
 
 GPU knobs (`dtype`, `compile_backend`, `logprob_chunk_tokens`,
@@ -44,6 +45,10 @@ next optim_step or load_state, live snapshots get a copy of the trainable
 tensors (the LoRA weights, or every weight under full fine-tuning) and swap
 them in while they sample. One lock serialises training and sampling.
 
+export_checkpoint(checkpoint, folder): that checkpoint as a PEFT adapter (or,
+under full fine-tuning, a whole Hugging Face model), the logit scale folded
+in (adapters.py).
+
 save_state(name) writes `save_dir/name/`: `trainable.safetensors` (trainable
 parameters by name), `optimizer.pt`, `state.pt` (step and the torch CPU/CUDA,
 Python and NumPy RNG states) and `meta.json`. Frozen base weights are not
@@ -60,6 +65,7 @@ import random
 import threading
 import warnings
 import weakref
+from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
@@ -69,7 +75,16 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
 from tinker import types
 
-from tbexp.backends.base import LOSSES, Done, ForwardBackwardResult, Future, SampledSequence, Sampler, TrainingBackend
+from tbexp.backends.base import (
+    LOSSES,
+    Done,
+    Export,
+    ForwardBackwardResult,
+    Future,
+    SampledSequence,
+    Sampler,
+    TrainingBackend,
+)
 from tbexp.backends.batch_sampling import BatchQueue, Request, sample_batch
 from tbexp.backends.continuous_batching import SEED_STRIDE, ContinuousBatcher
 from tbexp.backends.local_speed import (
@@ -83,6 +98,7 @@ from tbexp.backends.local_speed import (
 )
 from tbexp.backends.logit_scale import add_logit_scale, is_logit_scale
 from tbexp.backends.logprobs import target_logprobs
+from tbexp.backends.rl_losses import policy_loss, policy_metrics
 from tbexp.backends.sampling import sample_sequences
 
 RL_INPUTS = ("target_tokens", "logprobs", "advantages")
@@ -113,7 +129,7 @@ class LocalBackend(TrainingBackend):
         logprob_chunk_tokens: int | None = None,
         sdpa_backend: str | None = None,
         cuda_graph_sampling: bool = False,
-        train_threads: int | None = None,
+        train_threads: int | Callable[[], int] | None = None,
         continuous_batching: bool = False,
         kv_cache_tokens: int = 0,
         max_concurrent_sequences: int = 256,
@@ -201,21 +217,25 @@ class LocalBackend(TrainingBackend):
     def forward_backward(
         self, data: list[types.Datum], loss_fn: str, loss_fn_config: dict[str, float] | None = None
     ) -> Future[ForwardBackwardResult]:
-        with _torch_threads(self.train_threads):
+        with _torch_threads(self._train_threads()):
             return Done(self._run(data, loss_fn, loss_fn_config, backward=True))
 
     def forward(
         self, data: list[types.Datum], loss_fn: str, loss_fn_config: dict[str, float] | None = None
     ) -> Future[ForwardBackwardResult]:
-        with torch.no_grad(), _torch_threads(self.train_threads):
+        with torch.no_grad(), _torch_threads(self._train_threads()):
             return Done(self._run(data, loss_fn, loss_fn_config, backward=False))
+
+    def _train_threads(self) -> int | None:
+        """The updates' torch threads; a callable (the job's share of its cores) is asked afresh each time."""
+        return self.train_threads() if callable(self.train_threads) else self.train_threads
 
     def _run(
         self, data: list[types.Datum], loss_fn: str, loss_fn_config: dict[str, float] | None, backward: bool
     ) -> ForwardBackwardResult:
         if loss_fn not in LOSSES:
             raise ValueError(f"unknown loss_fn {loss_fn!r}; the local backend has {LOSSES}")
-        rows = [_row(d, loss_fn) for d in data]
+        rows = [_row(d, loss_fn, i) for i, d in enumerate(data)]
         batches = _microbatches(rows, self.microbatch_tokens, packed=self.packing)
         # A copy from pageable host memory waits for the device's queue: copy everything before queueing work.
         batch_inputs = [
@@ -277,7 +297,7 @@ class LocalBackend(TrainingBackend):
         return torch.autocast(self.device.type, dtype=self.dtype) if self.dtype is not None else nullcontext()
 
     def optim_step(self, adam: types.AdamParams) -> Future[dict[str, float]]:
-        with self._lock, _torch_threads(self.train_threads):
+        with self._lock, _torch_threads(self._train_threads()):
             self._detach_samplers()
             groups = list(zip(self.optimizer.param_groups, self._lr_factors))
             params = [
@@ -430,6 +450,15 @@ class LocalBackend(TrainingBackend):
             raise ValueError(
                 f"{path}: trainable parameters differ from this backend's (missing {missing[:3]}, unexpected {extra[:3]}); same base model, LoRA settings and model.logit_scale?"
             )
+        # Same names, other shapes: a checkpoint of another LoRA rank (swapping .data would accept it silently).
+        shapes = [(n, tuple(w.shape), tuple(self._params[n].shape)) for n, w in weights.items()]
+        wrong = [(n, saved, here) for n, saved, here in shapes if saved != here]
+        if wrong:
+            name, saved, here = wrong[0]
+            raise ValueError(
+                f"{path}: trainable parameters differ from this backend's ({len(wrong)} of other shapes, e.g. {name} "
+                f"{list(saved)} saved, {list(here)} here); same base model and LoRA settings (model.lora_rank)?"
+            )
         return weights
 
     def _set_weights(self, weights: dict[str, torch.Tensor]) -> None:
@@ -439,18 +468,11 @@ class LocalBackend(TrainingBackend):
                 p.copy_(weights[n])
         self.optimizer.zero_grad(set_to_none=True)
 
-    def export_adapter(self, path: str) -> str:
-        if not isinstance(self.model, PeftModel):
-            raise NotImplementedError(
-                "full fine-tuning has no adapter to export; use save_state or the model's save_pretrained"
-            )
-        if self._scale_name:
-            raise NotImplementedError(
-                "a PEFT adapter cannot hold model.logit_scale; use save_state, or train with model.logit_scale=false"
-            )
-        with self._lock:
-            self.model.save_pretrained(path)
-        return str(path)
+    def export_checkpoint(self, checkpoint: str, folder: str) -> Export:
+        """A PEFT adapter in `folder/adapter` (LoRA), or the whole model in `folder/hf_model` (full fine-tuning)."""
+        from tbexp.backends.adapters import export_local
+
+        return export_local(self, checkpoint, Path(folder))
 
 
 class LocalSampler(Sampler):
@@ -547,7 +569,7 @@ class _ContinuousQueue:
         return self.sampler._continuous([request])[0]
 
 
-def _row(datum: types.Datum, loss_fn: str) -> dict[str, torch.Tensor]:
+def _row(datum: types.Datum, loss_fn: str, index: int) -> dict[str, torch.Tensor]:
     names = ("target_tokens", "weights") if loss_fn == "cross_entropy" else RL_INPUTS
     missing = [k for k in names if k not in datum.loss_fn_inputs]
     if missing:
@@ -558,6 +580,8 @@ def _row(datum: types.Datum, loss_fn: str) -> dict[str, torch.Tensor]:
         row[k] = row[k].long() if k == "target_tokens" else row[k].float()
         if len(row[k]) != len(row["tokens"]):
             raise ValueError(f"loss_fn_inputs[{k!r}] has {len(row[k])} entries for {len(row['tokens'])} input tokens")
+    if loss_fn != "cross_entropy":  # which datum each position is of: gspo's ratio is per sequence
+        row["datum"] = torch.full((len(row["tokens"]),), index, dtype=torch.long)
     return row
 
 
@@ -630,35 +654,16 @@ def _to_device(tree, device: torch.device):
 def _loss(
     loss_fn: str, logp_N: torch.Tensor, inputs: dict[str, torch.Tensor], config: dict[str, float]
 ) -> torch.Tensor:
-    """The summed loss, exactly as Tinker defines it (see base.py)."""
+    """The summed loss, exactly as Tinker defines it (see base.py; the RL losses in rl_losses.py)."""
     if loss_fn == "cross_entropy":
         return -(inputs["weights"] * logp_N).sum()
-    ratio_N = torch.exp(logp_N - inputs["logprobs"])
-    adv_N = inputs["advantages"]
-    if loss_fn == "importance_sampling":
-        return -(ratio_N * adv_N).sum()
-    low, high = config.get("clip_low_threshold", 0.8), config.get("clip_high_threshold", 1.2)
-    return -torch.minimum(ratio_N * adv_N, ratio_N.clamp(low, high) * adv_N).sum()
+    return policy_loss(loss_fn, logp_N, inputs, config)
 
 
 def _metrics(
     loss_fn: str, logp_N: torch.Tensor, inputs: dict[str, torch.Tensor], config: dict[str, float]
 ) -> dict[str, float]:
-    if loss_fn == "cross_entropy" or len(logp_N) == 0:
-        return {}
-    # Only the tokens that carry an advantage were sampled; prompts and observations have logprob 0 and no say.
-    active = inputs["advantages"] != 0
-    if not active.any():
-        return {}
-    ratio_N = torch.exp(logp_N - inputs["logprobs"])[active]
-    metrics = {
-        "ratio_mean": float(ratio_N.mean()),
-        "sampler_minus_train_logp": float((inputs["logprobs"][active] - logp_N[active]).mean()),
-    }
-    if loss_fn == "ppo":
-        low, high = config.get("clip_low_threshold", 0.8), config.get("clip_high_threshold", 1.2)
-        metrics["clip_fraction"] = float(((ratio_N < low) | (ratio_N > high)).float().mean())
-    return metrics
+    return {} if loss_fn == "cross_entropy" else policy_metrics(loss_fn, logp_N, inputs, config)
 
 
 def _check_plain_lm_head(config) -> None:

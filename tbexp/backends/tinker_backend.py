@@ -6,22 +6,38 @@ loop can pipeline `forward_backward` and `optim_step`, and refuses settings
 the service cannot honour (full fine-tuning, LoRA dropout, a logit scale,
 per-module targets beyond attention / MLP / unembedding) instead of
 ignoring them.
+Losses: cross_entropy, importance_sampling, ppo, cispo and gspo are Tinker's own
+server-side losses, sent with every `loss_fn_config` key filled in (rl_losses.py's
+defaults), so a run means the same thing on both backends. `dppo` is refused by
+name: Tinker does not serve it, and emulating it through `forward_backward_custom`
+would cost a second forward pass a step.
 Checkpoints are `tinker://` URIs; a run resumes from one with its optimizer.
+`export_checkpoint` downloads one and writes it as a PEFT adapter (adapters.py).
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 from tinker import types
 
-from tbexp.backends.base import LOSSES, ForwardBackwardResult, Future, SampledSequence, Sampler, TrainingBackend
+from tbexp.backends.base import (
+    Export,
+    ForwardBackwardResult,
+    Future,
+    SampledSequence,
+    Sampler,
+    TrainingBackend,
+)
+from tbexp.backends.rl_losses import settings
 from tbexp.errors import TbexpError
 
 ATTENTION = {"q_proj", "k_proj", "v_proj", "o_proj"}
 MLP = {"gate_proj", "up_proj", "down_proj", "mlp", "experts"}
+TINKER_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "gspo")  # served by Tinker itself
 
 
 class BackendError(TbexpError, RuntimeError):
@@ -69,6 +85,7 @@ class TinkerBackend(TrainingBackend):
             )
         if service_client is None:
             service_client = _connect(base_url)
+        self.service, self.base_model = service_client, base_model  # export_checkpoint needs both
         if load_checkpoint.startswith("tinker://"):
             self.client = service_client.create_training_client_from_state_with_optimizer(load_checkpoint).result()
         else:
@@ -85,18 +102,16 @@ class TinkerBackend(TrainingBackend):
     def forward_backward(
         self, data: list[types.Datum], loss_fn: str, loss_fn_config: dict[str, float] | None = None
     ) -> Future[ForwardBackwardResult]:
-        if loss_fn not in LOSSES:
-            raise ValueError(f"loss_fn={loss_fn!r}: choose one of {LOSSES}")
+        config = _tinker_loss_config(loss_fn, loss_fn_config)
         n_tokens = sum(_n_tokens(d, loss_fn) for d in data)
-        return _Mapped(
-            self.client.forward_backward(data, loss_fn, loss_fn_config), lambda out: _fb_result(out, n_tokens)
-        )
+        return _Mapped(self.client.forward_backward(data, loss_fn, config), lambda out: _fb_result(out, n_tokens))
 
     def forward(
         self, data: list[types.Datum], loss_fn: str, loss_fn_config: dict[str, float] | None = None
     ) -> Future[ForwardBackwardResult]:
+        config = _tinker_loss_config(loss_fn, loss_fn_config)
         n_tokens = sum(_n_tokens(d, loss_fn) for d in data)
-        return _Mapped(self.client.forward(data, loss_fn, loss_fn_config), lambda out: _fb_result(out, n_tokens))
+        return _Mapped(self.client.forward(data, loss_fn, config), lambda out: _fb_result(out, n_tokens))
 
     def optim_step(self, adam: types.AdamParams) -> Future[dict[str, float]]:
         return _Mapped(self.client.optim_step(adam), lambda out: dict(out.metrics or {}))
@@ -121,6 +136,12 @@ class TinkerBackend(TrainingBackend):
         if not path.startswith("tinker://"):
             raise BackendError(f"backend=tinker starts only from tinker:// checkpoints, not {path!r}")
         self.client.load_state(path).result()
+
+    def export_checkpoint(self, checkpoint: str, folder: str) -> Export:
+        """`checkpoint` downloaded from the service and written as a PEFT adapter in `folder/adapter`."""
+        from tbexp.backends.adapters import export_tinker
+
+        return export_tinker(self.service, checkpoint, Path(folder), self.base_model, self.tokenizer)
 
 
 def sampling_client(service_client: Any, base_model: str, checkpoint: str = "") -> TinkerSampler:
@@ -169,6 +190,18 @@ def _connect(base_url: str) -> Any:
     import tinker
 
     return tinker.ServiceClient(base_url=base_url or None)
+
+
+def _tinker_loss_config(loss_fn: str, config: dict[str, float] | None) -> dict[str, float] | None:
+    """The loss's config for Tinker's server, every key it reads filled in; a loss Tinker lacks is refused."""
+    if loss_fn == "dppo":
+        raise BackendError(
+            "loss_fn=dppo runs on backend=local only: Tinker serves no DPPO loss. "
+            "Set grpo.loss_fn to one Tinker serves: " + ", ".join(TINKER_LOSSES[1:])
+        )
+    if loss_fn not in TINKER_LOSSES:
+        raise ValueError(f"loss_fn={loss_fn!r}: choose one of {TINKER_LOSSES}")
+    return config if loss_fn == "cross_entropy" else settings(loss_fn, config)
 
 
 def _n_tokens(datum: types.Datum, loss_fn: str) -> float:

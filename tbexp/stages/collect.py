@@ -2,30 +2,29 @@
 
 build (train tasks, agent, policy) → run `collect.n_runs` episodes per task in
 fresh sandboxes → keep only the episodes whose tests all pass → write them as
-`trajectories.jsonl` (format: `tbexp.trajectories`) → return counts. As in the
+`trajectories.jsonl` (format: `tbexp.episodes.trajectories`) → return counts. As in the
 published recipe, nothing enters the training set unless it was executed and
 verified; a policy's unverified text never does.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tbexp.build import run_policy
-from tbexp.tracking import write_summary
-from tbexp.trajectories import write_conversations
+from tbexp.content_key import content_key, resolved, sandbox_part, task_contents
+from tbexp.episodes.trajectories import write_conversations
+from tbexp.jobs.tracking import write_summary
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Trajectories:
-    """Verified conversations in a jsonl file (tbexp.trajectories), and how many episodes it took."""
+    """Verified conversations in a jsonl file (tbexp.episodes.trajectories), and how many episodes it took."""
 
     path: Path
     metrics: dict[str, float]
@@ -78,14 +77,13 @@ def collect(job: Any, tasks: list, policy: str, path: Path, runtime: Any = None)
 
 
 def oracle_trajectories(job: Any) -> Path:
-    """The oracle's verified turns on the SFT tasks, collected once per task set and agent (under the cache)."""
+    """The oracle's verified turns on the SFT tasks, collected once per content key (under the cache): the tasks
+    (names and directories), the agent, the sandbox (its limits decide which oracle runs succeed) and the code."""
     cfg = job.cfg
     tasks = job.tasks("sft")
-    names = [t.name for t in tasks]
-    key = hashlib.sha256(json.dumps([names, cfg.agent.name, str(cfg.tasks.path), cfg.tasks.seed]).encode()).hexdigest()[
-        :16
-    ]
-    path = job.cache_dir / "trajectories" / f"oracle-{cfg.agent.name}-{len(names)}tasks-{key}.jsonl"
+    decided_by = {"agent": resolved(cfg.agent), "sandbox": sandbox_part(cfg.sandbox), "n_runs": cfg.collect.n_runs}
+    key = content_key(decided_by, task_contents(tasks), length=16)
+    path = job.cache_dir / "trajectories" / f"oracle-{cfg.agent.name}-{len(tasks)}tasks-{key}.jsonl"
     if not path.exists():
         collect(job, tasks, "oracle", path)
     return path

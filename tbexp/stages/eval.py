@@ -3,8 +3,9 @@
 build (tasks, agent, policy) → run every (task, run) episode in a fresh
 sandbox, `eval.concurrency` at a time → reward each task's group → write
 `summary.json` (flat, keyed by metric name), `metrics.jsonl`, the per-task
-table (`tasks.csv`, printed), a chart (`eval.png`) and a sample of
-transcripts under `episodes/` → return the metrics.
+table (`tasks.csv`, printed), the per-episode records (`episodes.jsonl`, which
+the promotion gate pairs: tbexp.episodes.promotion), a chart (`eval.png`) and a
+sample of transcripts under `episodes/` → return the metrics.
 """
 
 from __future__ import annotations
@@ -14,15 +15,17 @@ import json
 import logging
 import math
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
-from tbexp.build import eval_seed, run_policy
-from tbexp.plots import plot_eval
-from tbexp.policies import POLICIES, ModelRuntime
-from tbexp.rollout import Episode
-from tbexp.scoring import no_valid_reason, score_episodes, summarize, task_rows
-from tbexp.tracking import write_summary
+from tbexp.build import run_policy
+from tbexp.episodes.policies import POLICIES, ModelRuntime
+from tbexp.episodes.promotion import episode_records, promotion, read_records, write_records
+from tbexp.episodes.rewards import per_test
+from tbexp.episodes.rollout import Episode
+from tbexp.episodes.scoring import no_valid_reason, score_episodes, summarize, task_rows
+from tbexp.jobs.plots import plot_eval
+from tbexp.jobs.tracking import write_summary
+from tbexp.seeds import stream
 
 log = logging.getLogger(__name__)
 POLICY_NAMES = (*POLICIES, "model")  # an eval.candidates entry that is not one of these is a checkpoint
@@ -51,7 +54,7 @@ def run(job: Any) -> dict[str, float]:
 
 def evaluate_checkpoint(job: Any, out: Path, checkpoint: str, label: str, quiet: bool = False) -> dict[str, float]:
     """policy=model from `checkpoint`'s weights ("" = the base model) on the held-out tasks, on the eval draws."""
-    runtime = job.models.runtime(job.models.sampler(checkpoint), job.cfg.sampling, eval_seed(job.cfg))
+    runtime = job.models.runtime(job.models.sampler(checkpoint), job.cfg.sampling, stream(job.cfg.seed, "eval"))
     return evaluate(job, out, "model", runtime, label=label, quiet=quiet)
 
 
@@ -72,6 +75,7 @@ def _compare_candidates(job: Any, out: Path) -> dict[str, float]:
     """Score every `eval.candidates` entry; the first is the incumbent, the best challenger is promoted if it beats it."""
     cfg = job.cfg
     rows: dict[str, dict[str, float]] = {}
+    records = {}
     for candidate in cfg.eval.candidates:
         label = Path(candidate).name if candidate not in POLICY_NAMES else candidate
         folder = out / "candidates" / f"{len(rows):02d}-{label.replace('/', '_')}"
@@ -81,56 +85,13 @@ def _compare_candidates(job: Any, out: Path) -> dict[str, float]:
             rows[label] = evaluate_checkpoint(
                 job, folder, "" if candidate == "model" else candidate, label=label, quiet=True
             )
-    verdict = promotion(rows, cfg.eval.promote_by, cfg.eval.promote_margin)
+        records[label] = read_records(folder)
+    verdict = promotion(rows, cfg.eval.promote_by, cfg.eval.promote_margin, cfg.eval.promote_z, records)
     print(compare(rows))
     print(verdict["message"])
     write_summary(out, {**rows, "promotion": verdict})
     print(f"run directory: {out}")
     return rows[verdict["chosen"]]
-
-
-def promotion(rows: dict[str, dict[str, float]], metric: str, margin: float) -> dict[str, Any]:
-    """Promote the best challenger when it beats the incumbent (the first row) by more than `margin` on `metric`.
-
-    >>> promotion({"old": {"m": 0.30}, "new": {"m": 0.36}}, "m", 0.05)["chosen"]
-    'new'
-    >>> promotion({"old": {"m": 0.30}, "new": {"m": 0.33}}, "m", 0.05)["chosen"]
-    'old'
-    >>> promotion({"old": {"m": 0.30}, "broken": {"m": float("nan")}, "new": {"m": 0.40}}, "m", 0.05)["chosen"]
-    'new'
-    """
-    names = list(rows)
-    incumbent = names[0]
-    if len(names) == 1:
-        return {
-            "chosen": incumbent,
-            "promoted": False,
-            "metric": metric,
-            "message": f"only {incumbent}: nothing to compare",
-        }
-    challenger = max(
-        names[1:], key=lambda n: (not math.isnan(rows[n][metric]), rows[n][metric])
-    )  # NaN: no valid episode
-    gain = rows[challenger][metric] - rows[incumbent][metric]
-    if math.isnan(gain):  # a side with no valid episode proves nothing: keep what is there, and say so
-        unscored = " and ".join(n for n in (incumbent, challenger) if math.isnan(rows[n][metric]))
-        return {
-            "chosen": incumbent,
-            "promoted": False,
-            "metric": metric,
-            "gain": gain,
-            "message": f"KEEP {incumbent}: {metric} of {unscored} is NaN (no valid episode), nothing to compare",
-        }
-    promoted = gain > margin
-    chosen = challenger if promoted else incumbent
-    verb = "PROMOTE" if promoted else "KEEP"
-    return {
-        "chosen": chosen,
-        "promoted": promoted,
-        "metric": metric,
-        "gain": gain,
-        "message": f"{verb} {chosen}: {challenger} {'+' if gain >= 0 else ''}{gain:.3f} {metric} over {incumbent} (margin {margin})",
-    }
 
 
 def evaluate(
@@ -155,19 +116,21 @@ def evaluate(
     name = label or policy
     n_runs = n_runs or cfg.eval.n_runs
     log.info(
-        "eval %s: %d tasks x %d runs, sandbox=%s, agent=%s", name, len(tasks), n_runs, cfg.sandbox.name, cfg.agent.name
+        "eval %s: %d tasks x %d runs, sandbox=%s, agent=%s, harness=%s",
+        *(name, len(tasks), n_runs, cfg.sandbox.name, cfg.agent.name, cfg.eval.harness),
     )
-    episodes = run_policy(job, tasks, n_runs, cfg.eval.concurrency, policy, runtime, desc=f"eval {name}")
+    episodes = _run(job, tasks, n_runs, policy, runtime, out, desc=f"eval {name}")
     episodes.sort(key=lambda ep: (ep.task.name, ep.run))
 
     # eval/reward is the per-test fraction whatever reward= trains with, so runs stay comparable;
     # a different training reward is reported beside it as eval/<name>_reward.
-    rewards = score_episodes(episodes, SimpleNamespace(name="per_test"))
+    rewards = score_episodes(episodes, per_test)
     metrics = summarize(episodes, rewards)
     metrics["tasks/unloadable"] = float(len(tasks.unloadable))
     if cfg.reward.name != "per_test":
-        trained = score_episodes(episodes, cfg.reward)
+        trained = score_episodes(episodes, job.reward)
         metrics[f"eval/{cfg.reward.name}_reward"] = summarize(episodes, trained)["eval/reward"]
+    write_records(out, episode_records(episodes, rewards))  # what a paired promotion gate reads
     rows = task_rows(episodes, rewards)
     why_nan = no_valid_reason(episodes)
     if why_nan:
@@ -187,6 +150,16 @@ def evaluate(
     else:
         print(_format_table(rows, metrics, why_nan))
     return metrics
+
+
+def _run(job: Any, tasks: list, n_runs: int, policy: str, runtime: Any, out: Path, desc: str) -> list[Episode]:
+    """The episodes, through tbexp's own agent loop or (eval.harness=harbor) Harbor's trials under `out/trials`."""
+    cfg = job.cfg
+    if cfg.eval.harness == "harbor":
+        from tbexp.episodes.harbor_trials import run_trials
+
+        return run_trials(cfg, tasks, n_runs, cfg.eval.concurrency, policy, runtime, out / "trials", desc)
+    return run_policy(job, tasks, n_runs, cfg.eval.concurrency, policy, runtime, desc=desc)
 
 
 def _write_table(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -219,6 +192,7 @@ def _save_transcripts(folder: Path, episodes: list[Episode], rewards: dict[int, 
             "run": ep.run,
             "invalid": ep.invalid,
             "damage": ep.damage,
+            "network": ep.network,  # the network the task asked for and did not get; "" = none
             "reward": rewards.get(id(ep)),
             "tests": ep.report.tests if ep.report else {},
             "task_rewards": ep.report.rewards if ep.report else {},  # every named reward the task wrote

@@ -6,16 +6,17 @@ episodes per task in fresh sandboxes (or read them from the cache) → strict so
 interval → keep the tasks whose rate lies in [lower, upper] → write
 `kept_tasks.json` and the per-task table → a `Selection`.
 
-Results are cached under `<cache>/filter/` by a hash of everything that
-decides them: the checkpoint (its path and file contents, or its tinker://
-URI), the task set, k, the agent and the sampling settings. A second run or a
-sweep trial with the same inputs reads the rates instead of resampling.
+Results are cached under `<cache>/filter/` by a content key
+(`tbexp.content_key`) of everything that decides them: the checkpoint (its path
+and file contents, or its tinker:// URI), the tasks (names and directories), k,
+the model, backend, agent, sandbox (its limits decide what a command can do) and
+sampling settings, the seed and the code. A second run or a sweep trial with the
+same inputs reads the rates instead of resampling.
 `task_filter=none` keeps every candidate without sampling.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -27,7 +28,9 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from tbexp.build import checkpoint_bytes, run_policy
-from tbexp.tracking import write_summary
+from tbexp.content_key import content_key, resolved, sandbox_part, task_contents
+from tbexp.jobs.tracking import write_summary
+from tbexp.seeds import stream
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +74,9 @@ def select(job: Any, out: Path, policy: str, checkpoint: str, sampling: Any) -> 
     f = job.cfg.task_filter
     tasks = job.tasks("rl")
     if f.max_tasks and f.max_tasks < len(tasks):
-        tasks = sorted(random.Random(job.cfg.seed).sample(tasks, f.max_tasks), key=lambda t: t.name)
+        tasks = sorted(
+            random.Random(stream(job.cfg.seed, "candidates")).sample(tasks, f.max_tasks), key=lambda t: t.name
+        )
     if f.name == "none":
         rates = {t.name: (float("nan"), 0) for t in tasks}
         kept = [t.name for t in tasks]
@@ -99,12 +104,12 @@ def select(job: Any, out: Path, policy: str, checkpoint: str, sampling: Any) -> 
 
 def _solve_rates(job: Any, tasks: list, policy: str, checkpoint: str, sampling: Any) -> dict[str, tuple[float, int]]:
     """{task: (strict solve rate, valid samples)}, from the cache when the same inputs were sampled before."""
-    cache = job.cache_dir / "filter" / f"{_cache_key(job.cfg, tasks, policy, checkpoint, sampling)}.json"
+    cache = job.cache_dir / "filter" / f"{cache_key(job.cfg, tasks, policy, checkpoint, sampling)}.json"
     if cache.exists():
         log.info("filter: solve rates from the cache %s", cache)
         return {name: tuple(v) for name, v in json.loads(cache.read_text()).items()}
     runtime = (
-        job.models.runtime(job.models.sampler(checkpoint), sampling, seed=job.cfg.seed * 7919 + 29)
+        job.models.runtime(job.models.sampler(checkpoint), sampling, seed=stream(job.cfg.seed, "filter"))
         if policy == "model"
         else None
     )  # reproducible rates
@@ -118,26 +123,21 @@ def _solve_rates(job: Any, tasks: list, policy: str, checkpoint: str, sampling: 
     return rates
 
 
-def _cache_key(cfg: Any, tasks: list, policy: str, checkpoint: str, sampling: Any) -> str:
-    h = hashlib.sha256()
-    h.update(
-        json.dumps(
-            {
-                "model": OmegaConf.to_container(cfg.model),
-                "checkpoint": checkpoint,
-                "policy": policy,
-                "tasks": [t.name for t in tasks],
-                "k": cfg.task_filter.k,
-                "agent": OmegaConf.to_container(cfg.agent),
-                "sampling": OmegaConf.to_container(sampling),
-                "suite_seed": cfg.tasks.seed,
-            },
-            sort_keys=True,
-        ).encode()
-    )
-    for part in checkpoint_bytes(checkpoint):  # a local checkpoint: its contents, not just its name
-        h.update(part)
-    return h.hexdigest()[:24]
+def cache_key(cfg: Any, tasks: list, policy: str, checkpoint: str, sampling: Any) -> str:
+    """The content key of the solve rates of `tasks` under `policy` (tbexp.content_key)."""
+    decided_by = {
+        "checkpoint": checkpoint,
+        "policy": policy,
+        "k": cfg.task_filter.k,
+        "sampling": resolved(sampling),
+        "seed": cfg.seed,
+        "sandbox": sandbox_part(cfg.sandbox),
+        **{part: resolved(cfg[part]) for part in ("model", "backend", "agent")},
+    }
+    # Left out: torch's thread counts, and how many episodes run at once (each reply's seed is its own).
+    for key in ("threads", "train_threads"):
+        decided_by["backend"].pop(key, None)
+    return content_key(decided_by, [*task_contents(tasks), *checkpoint_bytes(checkpoint)], length=24)
 
 
 def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:

@@ -5,10 +5,20 @@ eval of the start (step 0) → each step: `groups_per_step` RL tasks (epoch-wise
 shuffles, a function of the step), `group_size` episodes each at
 `grpo.temperature` in fresh sandboxes → rewards per group → group-relative
 advantages and one datum per episode on its tokens exactly as sampled
-(`tbexp.advantages`); invalid episodes (broken sandbox or verifier) are
+(`tbexp.episodes.advantages`); invalid episodes (broken sandbox or verifier) are
 dropped, never scored 0 → `forward_backward(importance_sampling | ppo)` + `optim_step` → every
 `eval_every` steps a held-out eval and a kept checkpoint → the checkpoint at
-peak held-out reward is the stage's result.
+peak held-out reward is the stage's result, also written as a PEFT adapter
+(`adapter/`, tbexp.backends.adapters).
+
+Two options change the loop (both off by default; docs/grpo.md). With
+`max_off_policy_steps` = k, step t's rollouts are sampled in the background from
+the weights after t - k updates while the steps before it train
+(`tbexp.stages.grpo_rollouts`); the loss's importance ratio is taken against the
+logprobs of those weights. With `max_replaced_groups` a step samples fresh groups
+in place of groups whose rewards do not spread, and with `retire_after` a
+solve-rate pool over the rollouts retires tasks that became always or never
+solved (`tbexp.episodes.difficulty`).
 
 Advantages are divided by the number of sampled tokens in the step
 (`normalize`), so the summed loss Tinker defines is a mean and a learning rate
@@ -18,11 +28,14 @@ against the starting weights.
 Resuming: `grpo_state.json` names the last checkpoint (weights, optimizer,
 RNG, step); the tasks of a step and every reply's sampling seed are
 functions of (seed, step, task, run, turn), so a resumed run samples what an
-uninterrupted one would have.
+uninterrupted one would have. The pool's counts and the plans of rollouts in flight
+are saved with each checkpoint, and the checkpoints those plans sample from are
+kept, so a pipelined run resumes exactly too.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -33,16 +46,19 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from tbexp import trial
-from tbexp.advantages import grpo_datums
-from tbexp.build import eval_seed, run_policy
+from tbexp.build import run_policy
+from tbexp.episodes.advantages import grpo_datums, loss_fn_config
+from tbexp.episodes.difficulty import DifficultyPool
+from tbexp.episodes.scoring import score_episodes, summarize
+from tbexp.episodes.trajectories import DataError
 from tbexp.job import TrainedCheckpoint
-from tbexp.preemption import interruptible
-from tbexp.schedule import epoch_batch, learning_rate
-from tbexp.scoring import score_episodes, summarize
+from tbexp.jobs.preemption import interruptible
+from tbexp.jobs.schedule import learning_rate
+from tbexp.jobs.tracking import Tracker, write_summary
+from tbexp.seeds import stream
 from tbexp.stages.eval import ROW_METRICS as EVAL_KEYS
-from tbexp.tracking import Tracker, write_summary
-from tbexp.trajectories import DataError
+from tbexp.stages.grpo_rollouts import Plan, RolloutPipeline, Rollouts, make_plan, sample_groups
+from tbexp.study import trial
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +111,7 @@ def train(job: Any, start: str, tasks: list, out: Path) -> RLResult:
     """Run (or resume) GRPO in `out` from `start`'s weights ("" = the base model) on `tasks`; keep the peak."""
     from tqdm import trange
 
-    from tbexp.plots import plot_curve
+    from tbexp.jobs.plots import plot_curve
 
     cfg = job.cfg
     g = cfg.grpo
@@ -115,18 +131,26 @@ def train(job: Any, start: str, tasks: list, out: Path) -> RLResult:
     if g.eval_at_start and not state["evals"]:
         _evaluate(job, out, backend, state, tracker, step=0)
         _save(state, state_path)
+    source = _RolloutSource(job, backend, start, state, tasks)
     steps = trange(state["step"], g.steps, desc="grpo", initial=state["step"], total=g.steps, unit="step")
-    # Every step ends with its checkpoint, so on SLURM's warning signal there is nothing more to save: just stop.
-    for step in interruptible(steps, checkpoint=lambda step: None):
-        metrics = _step(job, backend, reference, epoch_batch(tasks, step, g.groups_per_step, cfg.seed), step)
-        tracker.log(metrics, step=step + 1)
-        previous = state["checkpoint"]
-        state["step"], state["checkpoint"] = step + 1, backend.save_state(f"step-{step + 1:05d}")
-        if (step + 1) % g.eval_every == 0 or step + 1 == g.steps:
-            _evaluate(job, out, backend, state, tracker, step=step + 1)
-        _save(state, state_path)
-        tracker.log_checkpoint(state["checkpoint"], step + 1)
-        _drop_unless_kept(previous, state)
+    try:
+        # Every step ends with its checkpoint, so on SLURM's warning signal there is nothing more to save: just stop.
+        for step in interruptible(steps, checkpoint=lambda step: None):
+            rollouts, control = source.take(step)
+            metrics = {**_step(job, backend, reference, rollouts, step), **control}
+            if source.pipeline is not None:
+                metrics["time/step"] = time.perf_counter() - source.started_s  # the wait and the update
+            tracker.log(metrics, step=step + 1)
+            previous = state["checkpoint"]
+            state["step"], state["checkpoint"] = step + 1, backend.save_state(f"step-{step + 1:05d}")
+            source.remember(state)
+            if (step + 1) % g.eval_every == 0 or step + 1 == g.steps:
+                _evaluate(job, out, backend, state, tracker, step=step + 1)
+            _save(state, state_path)
+            tracker.log_checkpoint(state["checkpoint"], step + 1)
+            _drop_unless_kept(previous, state)
+    finally:
+        source.close()
 
     # ties: the earlier, less-trained one; an eval with no valid episode (NaN) is never the peak
     best = max(state["evals"], key=lambda e: (not math.isnan(e["eval/reward"]), e["eval/reward"], -e["step"]))
@@ -141,6 +165,8 @@ def train(job: Any, start: str, tasks: list, out: Path) -> RLResult:
     print(_curve_table(state["evals"], best["step"]))
     print(f"peak held-out reward {best['eval/reward']:.3f} at step {best['step']} -> {best['checkpoint']}")
     tracker.finish()
+    exported = backend.export_checkpoint(best["checkpoint"], str(out))  # out/adapter, for use without tbexp
+    print(exported.describe())
     metrics = {
         "grpo/best_step": float(best["step"]),
         "grpo/best_reward": best["eval/reward"],
@@ -148,24 +174,128 @@ def train(job: Any, start: str, tasks: list, out: Path) -> RLResult:
         "grpo/rl_tasks": float(len(tasks)),
         **{k: best[k] for k in EVAL_KEYS},
     }
-    return RLResult(best["checkpoint"], metrics)
+    return RLResult(best["checkpoint"], metrics, {exported.kind: exported.path})
 
 
-def _step(job: Any, backend, reference, tasks: list, step: int) -> dict[str, float]:
-    from tinker import types
+class _RolloutSource:
+    """Each step's rollouts: sampled then from the live weights, or (max_off_policy_steps > 0) taken from the
+    pipeline, which then launches the next ones; the difficulty pool is updated from every step's rollouts."""
 
+    def __init__(self, job: Any, backend, start: str, state: dict, tasks: list):
+        g = job.cfg.grpo
+        self.job, self.backend, self.start, self.state = job, backend, start, state
+        self.pool = DifficultyPool([t.name for t in tasks], g.retire_after, min_active=g.groups_per_step)
+        self.pool.restore(state.get("pool", {}))
+        self.by_name = {t.name: t for t in tasks}
+        self.started_s = 0.0  # when the latest step began waiting for its rollouts
+        self.pipeline = None
+        if g.max_off_policy_steps:
+            self.pipeline = RolloutPipeline(
+                g.max_off_policy_steps, lambda plan, sampler, stop: _rollouts(job, plan, self.by_name, sampler, stop)
+            )
+            saved = [Plan.load(p) for p in state.get("plans", [])]
+            self.pipeline.resume(saved, state["step"], lambda plan: job.models.sampler(plan.checkpoint))
+
+    def plan(self, step: int) -> Plan:
+        """Step `step`'s plan, from the active tasks and the live weights as they are now."""
+        g, state = self.job.cfg.grpo, self.state
+        checkpoint, seed, spares = state["checkpoint"] or self.start, self.job.cfg.seed, g.max_replaced_groups > 0
+        return make_plan(step, self.pool.active(), g.groups_per_step, seed, state["step"], checkpoint, spares)
+
+    def take(self, step: int) -> tuple[Rollouts, dict[str, float]]:
+        """Step `step`'s rollouts and the control numbers (`_control_metrics`)."""
+        g = self.job.cfg.grpo
+        self.started_s = time.perf_counter()
+        if self.pipeline is None:
+            rollouts = _rollouts(self.job, self.plan(step), self.by_name, self.backend.sampler())
+        else:
+            self.pipeline.advance(step, step + 1, self.plan, self.backend.sampler)  # the first, or a re-queued one
+            rollouts = self.pipeline.take(step)
+        wait_s = time.perf_counter() - self.started_s
+        retired = self.pool.update(step, _solved_by_task(rollouts.episodes))
+        if retired:
+            log.info("grpo: step %d retires %s (always or never solved)", step + 1, ", ".join(retired))
+        metrics = _control_metrics(g, rollouts, self.pool, self.pipeline)
+        if self.pipeline is not None:  # the next steps' rollouts start now, from the weights before this update
+            self.pipeline.advance(step, g.steps, self.plan, self.backend.sampler)
+            metrics["time/rollout_wait"] = wait_s  # the part of the rollouts the update did not hide
+        return rollouts, metrics
+
+    def remember(self, state: dict) -> None:
+        """Into the checkpoint's state: the pool's counts and the plans in flight (what an exact resume needs)."""
+        if self.job.cfg.grpo.retire_after:
+            state["pool"] = self.pool.state()
+        if self.pipeline is not None:
+            state["plans"] = [plan.dump() for plan in self.pipeline.pending()]
+
+    def close(self) -> None:
+        if self.pipeline is not None:
+            self.pipeline.close()  # rollouts still in flight are discarded; a resumed run samples them again
+
+
+def _rollouts(job: Any, plan: Plan, by_name: dict, sampler, stop=None) -> Rollouts:
+    """A plan's groups, `group_size` episodes each at `grpo.temperature` from `sampler`, flat ones replaced."""
     cfg = job.cfg
     g = cfg.grpo
     clock = time.perf_counter()
     settings = OmegaConf.merge(cfg.sampling, {"temperature": g.temperature})
-    runtime = job.models.runtime(backend.sampler(), settings, seed=cfg.seed * 1_000_003 + step)
-    # A group is group_size runs of one task; a failed episode comes back invalid, never ending the step.
-    episodes = run_policy(
-        job, list({t.name: t for t in tasks}.values()), g.group_size, g.concurrency, "model", runtime, desc="rollouts"
-    )
-    rollout_s = time.perf_counter() - clock
+    runtime = job.models.runtime(sampler, settings, seed=stream(cfg.seed, "rollout", plan.step))
 
-    rewards = score_episodes(episodes, cfg.reward)
+    rounds = itertools.count()  # replacement rounds of this plan
+
+    def sample(names: list[str]) -> list:  # a failed episode comes back invalid, never ending the step
+        tasks = [by_name[name] for name in names]
+        if g.harness == "harbor":  # Harbor's trials; terminus-2's rollout details are the tokens trained on
+            from tbexp.episodes.harbor_trials import run_trials
+
+            round_ = next(rounds)  # a replacement round's trials beside the step's first ones
+            trials = job.run_dir / "trials" / (f"step-{plan.step:05d}" + (f"-round-{round_}" if round_ else ""))
+            return run_trials(cfg, tasks, g.group_size, g.concurrency, "model", runtime, trials, "rollouts")
+        return run_policy(job, tasks, g.group_size, g.concurrency, "model", runtime, desc="rollouts", stop=stop)
+
+    episodes, replaced = sample_groups(
+        plan, sample, lambda episodes: score_episodes(episodes, job.reward), g.max_replaced_groups
+    )
+    valid = [ep for ep in episodes if not ep.invalid]
+    # the sampler's busy wall time (batches run one at a time); without a batch queue, each episode's waits summed
+    sample_s = runtime.queue.busy_s if runtime.queue is not None else sum(ep.sampled.sample_s for ep in valid)
+    return Rollouts(plan, episodes, replaced, time.perf_counter() - clock, sample_s)
+
+
+def _solved_by_task(episodes: list) -> dict[str, list[bool]]:
+    solved: dict[str, list[bool]] = {}
+    for ep in episodes:
+        solved.setdefault(ep.task.name, [])
+        if not ep.invalid:
+            solved[ep.task.name].append(bool(ep.report.strict))
+    return solved
+
+
+def _control_metrics(g: Any, rollouts: Rollouts, pool: DifficultyPool, pipeline: RolloutPipeline | None) -> dict:
+    """The pipeline's and the difficulty control's numbers, each only when that part is on (the default logs none)."""
+    metrics = {}
+    if pipeline is not None:
+        metrics["rollout/off_policy_steps"] = float(rollouts.plan.step - rollouts.plan.version)
+        metrics["rollout/stale_requeued"] = float(pipeline.requeued)
+    if g.max_replaced_groups:
+        metrics["rollout/replaced_groups"] = float(rollouts.replaced)
+    if g.retire_after:
+        metrics["rollout/retired_tasks"] = float(pool.retired)
+        metrics["rollout/active_tasks"] = float(len(pool.active()))
+    if metrics:
+        metrics["rollout/episodes"] = float(len(rollouts.episodes))
+    return metrics
+
+
+def _step(job: Any, backend, reference, rollouts: Rollouts, step: int) -> dict[str, float]:
+    """One step's update on its rollouts, and the step's numbers."""
+    from tinker import types
+
+    cfg = job.cfg
+    g = cfg.grpo
+    episodes, rollout_s = rollouts.episodes, rollouts.rollout_s
+
+    rewards = score_episodes(episodes, job.reward)
     datums, counts = grpo_datums(
         episodes, rewards, g.scale_by_std, reference, g.kl_coef, g.normalize, g.negative_weight
     )
@@ -178,7 +308,7 @@ def _step(job: Any, backend, reference, tasks: list, step: int) -> dict[str, flo
         fb = backend.forward_backward(
             datums,
             g.loss_fn,
-            {"clip_low_threshold": g.clip_low_threshold, "clip_high_threshold": g.clip_high_threshold},
+            loss_fn_config(g),
         )
         opt = backend.optim_step(
             types.AdamParams(learning_rate=lr, weight_decay=g.weight_decay, grad_clip_norm=g.grad_clip_norm)
@@ -196,8 +326,7 @@ def _step(job: Any, backend, reference, tasks: list, step: int) -> dict[str, flo
     valid = [ep for ep in episodes if not ep.invalid]
     timing = {
         "time/rollout": rollout_s,  # wall clock of the step's episodes, run concurrently
-        # the sampler's busy wall time (batches run one at a time); without a batch queue, each episode's waits summed
-        "time/sample": runtime.queue.busy_s if runtime.queue is not None else sum(ep.sampled.sample_s for ep in valid),
+        "time/sample": rollouts.sample_s,
         # sandbox-seconds, summed over the episodes that ran concurrently: starts, commands and stops; then tests
         "time/env": sum(
             ep.time_s.get("start", 0) + ep.time_s.get("agent", 0) + ep.time_s.get("stop", 0) - ep.sampled.sample_s
@@ -223,9 +352,8 @@ def _evaluate(job: Any, out: Path, backend, state: dict, tracker: Tracker, step:
     from tbexp.stages.eval import evaluate
 
     cfg = job.cfg
-    # Every eval point on the same draws, but not the draws the final rows use: the checkpoint is chosen on one
-    # sample of the held-out episodes and reported on another, so the choice does not flatter the report.
-    runtime = job.models.runtime(backend.sampler(), cfg.sampling, seed=eval_seed(cfg) + 1)
+    # Every eval point on the same draws, but not the final rows' (tbexp.seeds says why).
+    runtime = job.models.runtime(backend.sampler(), cfg.sampling, seed=stream(cfg.seed, "grpo_eval"))
     folder = out / "evals" / f"step-{step:05d}"
     metrics = evaluate(
         job, folder, "model", runtime, label=f"grpo step {step}", quiet=True, n_runs=cfg.grpo.eval_n_runs
@@ -254,12 +382,21 @@ def _report(cfg: Any, evals: list[dict], step: int) -> None:
 
 
 def _drop_unless_kept(checkpoint: str, state: dict) -> None:
-    """Delete a superseded per-step checkpoint unless an eval keeps it (local paths only)."""
-    if not checkpoint or checkpoint.startswith("tinker://") or checkpoint == state["checkpoint"]:
-        return
-    if any(e["checkpoint"] == checkpoint for e in state["evals"]):
-        return
-    shutil.rmtree(checkpoint, ignore_errors=True)
+    """Delete a superseded per-step checkpoint unless an eval keeps it (local paths only). With pipelined rollouts,
+    one that a planned step still samples from waits in state["held"] until no plan needs it."""
+    planned = {plan["checkpoint"] for plan in state.get("plans", [])}
+    held = []
+    for path in [checkpoint, *state.get("held", [])]:
+        if not path or path.startswith("tinker://") or path == state["checkpoint"]:
+            continue
+        if any(e["checkpoint"] == path for e in state["evals"]):
+            continue
+        if path in planned:
+            held.append(path)
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+    if "plans" in state:
+        state["held"] = held
 
 
 def _save(state: dict, path: Path) -> None:

@@ -21,22 +21,25 @@ share them train and score them once. The job's value
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import shutil
 from pathlib import Path
 from typing import Any, Callable
 
-from tbexp.tracking import write_summary
+from tbexp.content_key import content_key, resolved, sandbox_part, task_contents
+from tbexp.episodes.promotion import promotion, read_records
+from tbexp.jobs.tracking import write_summary
 
 log = logging.getLogger(__name__)
+EVAL_FOLDERS = {"base": "eval_base", "sft": "eval_sft", "incumbent": "eval_incumbent", "rl": "eval_final"}
+EVAL_FOLDERS["final"] = "eval_final"
 
 
 def run(job: Any) -> dict[str, float]:
     from tbexp.stages import collect, grpo, sft
     from tbexp.stages import filter as filter_stage
-    from tbexp.stages.eval import compare, evaluate_checkpoint, promotion
+    from tbexp.stages.eval import compare, evaluate_checkpoint
 
     cfg, out = job.cfg, job.run_dir
     done = _Done(out / "pipeline_state.json")
@@ -80,12 +83,16 @@ def run(job: Any) -> dict[str, float]:
             "final_eval", lambda: evaluate_checkpoint(job, out / "eval_final", checkpoint, label=label, quiet=True)
         )
 
-    names = {"base": "base", "sft_eval": "sft", "final_eval": "rl" if "grpo" in parts else "final"}
+    if cfg.eval.incumbent and "final_eval" in done.results:  # a named checkpoint the last row must beat
+        done.get("incumbent_eval", lambda: _eval_once(job, out, "eval_incumbent", cfg.eval.incumbent, "incumbent"))
+
+    names = {"base": "base", "sft_eval": "sft", "incumbent_eval": "incumbent"}
+    names["final_eval"] = "rl" if "grpo" in parts else "final"
     rows = {name: done.results[key] for key, name in names.items() if key in done.results}
     summary = {**rows, **{k: v for k, v in done.results.items() if k not in names}}
     table = compare(rows) if rows else "no eval rows (pipeline.stages has no eval part)"
-    if len(rows) > 1:  # the gate of the raw-command recipe: does the last checkpoint beat the first row?
-        summary["promotion"] = promotion(rows, cfg.eval.promote_by, cfg.eval.promote_margin)
+    if len(rows) > 1:
+        summary["promotion"] = _gate(cfg.eval, rows, {name: read_records(out / EVAL_FOLDERS[name]) for name in rows})
         table += "\n" + summary["promotion"]["message"]
     write_summary(out, summary)
     (out / "table.md").write_text(
@@ -102,61 +109,64 @@ def run(job: Any) -> dict[str, float]:
     return {k: v for k, v in final.items() if isinstance(v, float)}
 
 
+def _gate(settings: Any, rows: dict[str, dict[str, float]], records: dict[str, Any]) -> dict[str, Any]:
+    """The last row against the incumbent: `eval.incumbent`'s row when named, else the row before the last
+    (SFT, for the whole recipe; base when there is no SFT row), paired on the same tasks and draws."""
+    last = list(rows)[-1]
+    incumbent = "incumbent" if "incumbent" in rows else list(rows)[-2]
+    pair = {incumbent: rows[incumbent], last: rows[last]}
+    return promotion(pair, settings.promote_by, settings.promote_margin, settings.promote_z, records)
+
+
 def _sft_folder(job: Any, out: Path, data: Path | None) -> Path:
     """Where SFT trains: with `pipeline.cache_sft`, a folder named by everything that decides its result.
 
-    Sweep trials (or re-runs) that share model, SFT settings, data, tasks and
-    seed then reuse one training instead of repeating it; `<run>/sft` links there.
+    Sweep trials (or re-runs) that share model, backend, SFT settings, data, tasks,
+    seed and code then reuse one training instead of repeating it; `<run>/sft` links there.
     """
     cfg = job.cfg
     if not cfg.pipeline.cache_sft:
         return out / "sft"
-    from omegaconf import OmegaConf
-
-    decided_by = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "sft", "agent", "tasks")}
+    decided_by = {k: resolved(cfg[k]) for k in ("model", "sft", "agent", "tasks", "backend")}
     decided_by["tasks"].pop("split", None)  # the eval split does not change what SFT trains on
+    for key in ("threads", "train_threads"):  # torch's thread counts: bit-identical losses
+        decided_by["backend"].pop(key, None)
     decided_by["sft"]["data"] = str(data) if data else ""
+    decided_by["seed"] = cfg.seed
     contents = [data.read_bytes()] if data and data.is_file() else []
-    return _shared_folder(
-        job,
-        out / "sft",
-        "sft",
-        [json.dumps({**decided_by, "seed": cfg.seed, "backend": cfg.backend.name}, sort_keys=True).encode(), *contents],
-    )
+    return _shared_folder(job, out / "sft", "sft", content_key(decided_by, contents))
 
 
 def _eval_once(job: Any, out: Path, name: str, checkpoint: str, label: str) -> dict[str, float]:
     """The held-out eval of `checkpoint` ("" = the base model) in `out/name`.
 
     With `pipeline.cache_evals` it runs once per content: in a folder named by
-    everything that decides it (the checkpoint's files, model, tasks, agent,
-    sandbox, sampling and eval settings, reward, seed), which `out/name` links
-    to, so sweep trials that share an SFT setting score base and SFT once.
+    everything that decides it (the checkpoint's files, model, tasks and their
+    directories, agent, sandbox, sampling and eval settings, reward, backend, seed,
+    code), which `out/name` links to, so sweep trials that share an SFT setting
+    score base and SFT once.
     """
-    from omegaconf import OmegaConf
-
     from tbexp.build import checkpoint_bytes
     from tbexp.stages.eval import evaluate_checkpoint
 
     cfg = job.cfg
     if not cfg.pipeline.cache_evals:
         return evaluate_checkpoint(job, out / name, checkpoint, label=label, quiet=True)
-    decided_by = {
-        k: OmegaConf.to_container(cfg[k], resolve=True)
-        for k in ("model", "tasks", "agent", "sandbox", "sampling", "eval", "reward", "backend")
-    }
-    # Left out: how many episodes run at once (each reply's seed is its own) and torch's thread counts change no result.
-    decided_by["eval"].pop("concurrency")
-    for key in ("threads", "train_threads"):
-        decided_by["backend"].pop(key)
-    key = json.dumps(
-        {**decided_by, "seed": cfg.seed, "checkpoint": checkpoint, "label": label}, sort_keys=True
-    ).encode()
-    folder = _shared_folder(job, out / name, "evals", [key, *checkpoint_bytes(checkpoint)])
+    decided_by = {k: resolved(cfg[k]) for k in ("model", "tasks", "agent", "sampling", "eval", "reward", "backend")}
+    decided_by["sandbox"] = sandbox_part(cfg.sandbox)
+    # Left out: how many episodes run at once (each reply's seed is its own), torch's thread counts and the promotion
+    # gate's settings change no eval's result.
+    for key in ("concurrency", "candidates", "promote_by", "promote_margin", "promote_z", "incumbent"):
+        decided_by["eval"].pop(key, None)
+    for key in ("threads", "train_threads", "share_cores"):
+        decided_by["backend"].pop(key, None)
+    decided_by.update(seed=cfg.seed, checkpoint=checkpoint, label=label)
+    contents = [*task_contents(job.tasks("heldout")), *checkpoint_bytes(checkpoint)]
+    folder = _shared_folder(job, out / name, "evals", content_key(decided_by, contents))
 
     def work() -> dict[str, float]:
         result = folder / "result.json"
-        if result.exists():
+        if result.exists() and read_records(folder) is not None:  # an older cache without records is redone
             log.info("pipeline: the %s row from the cache %s", label, folder)
             return json.loads(result.read_text())
         metrics = evaluate_checkpoint(job, folder, checkpoint, label=label, quiet=True)
@@ -166,12 +176,9 @@ def _eval_once(job: Any, out: Path, name: str, checkpoint: str, label: str) -> d
     return _one_at_a_time(folder, work)
 
 
-def _shared_folder(job: Any, link: Path, kind: str, decided_by: list[bytes]) -> Path:
-    """`<cache>/<kind>/<hash of decided_by>`, created, with `link` pointing there."""
-    h = hashlib.sha256()
-    for part in decided_by:
-        h.update(part)
-    folder = job.cache_dir / kind / h.hexdigest()[:20]
+def _shared_folder(job: Any, link: Path, kind: str, key: str) -> Path:
+    """`<cache>/<kind>/<key>`, created, with `link` pointing there."""
+    folder = job.cache_dir / kind / key
     folder.mkdir(parents=True, exist_ok=True)
     if not link.exists():
         link.symlink_to(folder, target_is_directory=True)

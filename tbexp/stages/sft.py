@@ -6,7 +6,8 @@ assistant tokens only, drop or truncate the over-long, hold out
 and `optim_step` submitted together (Tinker pipelines them), learning-rate
 schedule; every `eval_every` steps the held-out NLL and a checkpoint; stop
 after `patience` evaluations without improvement → choose the checkpoint with
-the lowest held-out NLL, i.e. the one before NLL stopped improving → with
+the lowest held-out NLL, i.e. the one before NLL stopped improving, also
+written as a PEFT adapter (`adapter/`, tbexp.backends.adapters) → with
 `sft.eval_after`, score the base model and the chosen checkpoint on the
 held-out tasks → metrics.
 
@@ -15,7 +16,7 @@ checkpoint (`sft_state.json` records the evaluations so far); the batches are a
 function of the seed and the step, so the resumed run sees the same data.
 When SLURM signals that the job is about to be killed (time limit,
 preemption, `scontrol requeue`), the step in progress finishes, a checkpoint is
-saved and the job stops (`tbexp.preemption`); the requeued job resumes from
+saved and the job stops (`tbexp.jobs.preemption`); the requeued job resumes from
 it, so no step runs twice.
 """
 
@@ -27,11 +28,12 @@ import random
 from pathlib import Path
 from typing import Any
 
-from tbexp import trial
 from tbexp.job import TrainedCheckpoint
-from tbexp.preemption import interruptible
-from tbexp.schedule import epoch_batch, learning_rate
-from tbexp.tracking import write_summary
+from tbexp.jobs.preemption import interruptible
+from tbexp.jobs.schedule import epoch_batch, learning_rate
+from tbexp.jobs.tracking import write_summary
+from tbexp.seeds import stream
+from tbexp.study import trial
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +64,8 @@ def train(job: Any, data: Path, out: Path) -> SFTResult:
     from tinker import types
     from tqdm import trange
 
-    from tbexp.renderers import make_renderer
-    from tbexp.trajectories import read_conversations
+    from tbexp.episodes.trajectories import read_conversations
+    from tbexp.models.renderers import make_renderer
 
     cfg, s = job.cfg, job.cfg.sft
     state_path = out / "sft_state.json"
@@ -122,13 +124,15 @@ def train(job: Any, data: Path, out: Path) -> SFTResult:
     print(f"chosen checkpoint: step {best['step']} (held-out NLL {best['val_nll']:.4f}) -> {best['checkpoint']}")
     tracker.log_checkpoint(best["checkpoint"], best["step"], "chosen")
     tracker.finish()
+    exported = backend.export_checkpoint(best["checkpoint"], str(out))  # out/adapter, for use without tbexp
+    print(exported.describe())
     metrics = {
         "sft/chosen_step": float(best["step"]),
         "sft/val_nll": best["val_nll"],
         "sft/steps_run": float(state["step"]),
         **{f"sft/{k}": float(v) for k, v in counts.items()},
     }
-    return SFTResult(best["checkpoint"], metrics)
+    return SFTResult(best["checkpoint"], metrics, {exported.kind: exported.path})
 
 
 def _datums(conversations, renderer, max_len: int, overlong: str, val_fraction: float, seed: int):
@@ -161,7 +165,7 @@ def _datums(conversations, renderer, max_len: int, overlong: str, val_fraction: 
 
     train, val = render(train_rows), render(val_rows)
     if not train or not val:
-        from tbexp.trajectories import DataError
+        from tbexp.episodes.trajectories import DataError
 
         raise DataError(
             f"{len(train)} train and {len(val)} held-out conversations left after dropping {dropped} over {max_len} tokens; need at least one of each"
@@ -200,7 +204,7 @@ def _split(conversations: list, val_fraction: float, seed: int) -> tuple[list, l
     for counts in words:
         in_train.update(counts.keys())
     order = list(range(len(conversations)))
-    random.Random(seed).shuffle(order)
+    random.Random(stream(seed, "val_split")).shuffle(order)
     n_val = max(1, round(len(conversations) * val_fraction))
     val_index: list[int] = []
     for i in order:

@@ -17,7 +17,7 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 
-from tbexp.trial import TrialPruned, report
+from tbexp.study.trial import TrialPruned, report
 
 
 @hydra.main(version_base=None, config_path="conf", config_name="config")

@@ -4,7 +4,7 @@ An episode that ends without a usable test report is either the agent's
 failure (scored: a policy must never escape a low reward by wrecking its own
 sandbox, or GRPO, which drops invalid episodes, would teach it to) or the
 infrastructure's (invalid: dropped, since a 0 would punish the policy for
-what it did not do). The rule, applied by `tbexp.rollout.run_episode`:
+what it did not do). The rule, applied by `tbexp.episodes.rollout.run_episode`:
 
 * **invalid**: nothing the agent did can have caused it. The sandbox or its
   image could not be made or started, the policy's files could not be
@@ -26,6 +26,11 @@ what it did not do). The rule, applied by `tbexp.rollout.run_episode`:
   a verifier that failed once in a sandbox that still runs commands and then
   verified: a passing fault, not the agent's.
 
+The same rule holds for each step of a multi-step task (its control verifies
+that step in a fresh sandbox) and for a separate verifier (the second look and
+the control repeat the whole hand-over: the artifacts from the agent's sandbox,
+a fresh verifier sandbox; tbexp.episodes.separate_verifier).
+
 A cheap health probe (`echo` in the sandbox, after the verifier failed and
 before the sandbox is stopped) tells "the sandbox is broken" (no second
 verifier run; the damage record says the sandbox no longer ran commands)
@@ -46,9 +51,10 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from tbexp.episodes.separate_verifier import verify_task
+from tbexp.episodes.verifier import TestReport, VerifierError
 from tbexp.sandboxes.base import Sandbox, SandboxError, make_sandbox
 from tbexp.tasks.harbor_task import Task
-from tbexp.verifier import TestReport, VerifierError, verify
 
 PROBE = "echo tbexp-probe-ok"
 PROBE_TIMEOUT_S = 10.0
@@ -69,7 +75,9 @@ def probe(sandbox: Sandbox) -> str:
     return ""
 
 
-def second_look(sandbox: Sandbox, task: Task, err: Exception) -> tuple[TestReport | None, str, str]:
+def second_look(
+    sandbox: Sandbox, task: Task, err: Exception, shared_tests: tuple = ()
+) -> tuple[TestReport | None, str, str]:
     """After the verifier failed in a sandbox the agent used: (report, failure, health).
 
     The sandbox is probed; one that still runs commands is verified once more, so a passing fault gives
@@ -81,26 +89,26 @@ def second_look(sandbox: Sandbox, task: Task, err: Exception) -> tuple[TestRepor
     if health:
         return None, failure, health
     try:
-        return verify(sandbox, task), "", ""
+        return verify_task(sandbox, task, shared_tests), "", ""
     except INFRA_ERRORS as again:
         again_said = f"{type(again).__name__}: {again}"
         return None, (failure if again_said == failure else f"{failure}; again: {again_said}"), ""
 
 
-def control(task: Task, sandbox_settings: Any) -> str:
-    """'' when the task's verifier gives a result in a fresh sandbox no agent touched, else why not."""
-    key = (str(task.path), str(sandbox_settings))
+def control(task: Task, sandbox_settings: Any, shared_tests: tuple = ()) -> str:
+    """'' when the task's (or the one step's) verifier gives a result in a fresh sandbox no agent touched."""
+    key = (str(task.path), task.steps[0].name if len(task.steps) == 1 else "", str(sandbox_settings))
     with _controls_lock:  # one control per task at a time; the others wait for its answer
         if key not in _controls:
-            _controls[key] = _run_control(task, sandbox_settings)
+            _controls[key] = _run_control(task, sandbox_settings, shared_tests)
         return _controls[key]
 
 
-def _run_control(task: Task, sandbox_settings: Any) -> str:
+def _run_control(task: Task, sandbox_settings: Any, shared_tests: tuple) -> str:
     sandbox = make_sandbox(sandbox_settings, task)
     try:
         sandbox.start()
-        verify(sandbox, task)
+        verify_task(sandbox, task, shared_tests)
         return ""
     except Exception as err:  # noqa: BLE001 - whatever stops a fresh sandbox from verifying is not the agent's
         return f"{type(err).__name__}: {err}"
@@ -111,9 +119,9 @@ def _run_control(task: Task, sandbox_settings: Any) -> str:
             pass
 
 
-def judge(failure: str, health: str, task: Task, sandbox_settings: Any) -> tuple[str, str]:
+def judge(failure: str, health: str, task: Task, sandbox_settings: Any, shared_tests: tuple = ()) -> tuple[str, str]:
     """(invalid, damage) for an episode whose verifier gave no result after the agent ran commands."""
-    why = control(task, sandbox_settings)
+    why = control(task, sandbox_settings, shared_tests)
     if why:
         return f"{failure}; the verifier fails in a fresh sandbox too: {why}", ""
     state = f"the sandbox no longer ran commands ({health})" if health else "the sandbox still ran commands"

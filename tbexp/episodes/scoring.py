@@ -1,7 +1,7 @@
 """From episodes to numbers: rewards per group, per-task rows, and the `eval/…` metrics.
 
 Definitions (docs/architecture.md#metrics repeats them). An episode is scored unless it is
-invalid (`tbexp.verdicts`); a damaged episode is scored (usually 0).
+invalid (`tbexp.episodes.verdicts`); a damaged episode is scored (usually 0).
 * `eval/reward`: mean reward (the `reward` config's function) over scored episodes.
 * `eval/strict_success`: share of scored episodes whose tests all passed.
 * `eval/strict_success_all`: the same over all episodes, invalid ones counted
@@ -13,6 +13,9 @@ invalid (`tbexp.verdicts`); a damaged episode is scored (usually 0).
 * `eval/avg_turns`: mean number of agent replies per scored episode.
 * `eval/invalid_episodes`: episodes dropped because the sandbox or verifier broke.
 * `eval/damaged_episodes`: scored episodes whose agent broke its own sandbox.
+* `eval/offline_episodes`: episodes whose task asked for a network the sandbox did not give it
+  (an `allowlist`, which cannot be enforced here, or `public` with `sandbox.allow_network=false`);
+  each episode's `network` says what it asked for.
 
 A mean over no scored episode is NaN, never 0 (`no_valid_reason` says why),
 so an eval in which every episode broke cannot pass for one that failed.
@@ -25,11 +28,11 @@ import statistics
 from collections import Counter, defaultdict
 from typing import Any
 
-from tbexp.rewards import score_group
-from tbexp.rollout import Episode
+from tbexp.episodes.rewards import Reward
+from tbexp.episodes.rollout import Episode
 
 
-def score_episodes(episodes: list[Episode], reward_settings: Any) -> dict[int, float]:
+def score_episodes(episodes: list[Episode], reward: Reward) -> dict[int, float]:
     """Reward of every valid episode, keyed by id(episode); groups are the attempts at one task."""
     groups: dict[str, list[Episode]] = defaultdict(list)
     for ep in episodes:
@@ -37,7 +40,7 @@ def score_episodes(episodes: list[Episode], reward_settings: Any) -> dict[int, f
             groups[ep.task.name].append(ep)
     rewards: dict[int, float] = {}
     for group in groups.values():
-        scores = score_group(reward_settings, [ep.report for ep in group], [len(ep.turns) for ep in group])
+        scores = reward([ep.report for ep in group], [len(ep.turns) for ep in group])
         rewards.update({id(ep): s for ep, s in zip(group, scores)})
     return rewards
 
@@ -68,6 +71,7 @@ def summarize(episodes: list[Episode], rewards: dict[int, float], prefix: str = 
         f"{prefix}/episodes": float(len(episodes)),
         f"{prefix}/invalid_episodes": float(len(episodes) - len(valid)),
         f"{prefix}/damaged_episodes": float(sum(1 for ep in valid if ep.damage)),
+        f"{prefix}/offline_episodes": float(sum(1 for ep in episodes if ep.network)),
         f"{prefix}/tasks": float(len({ep.task.name for ep in episodes})),
     }
 

@@ -4,7 +4,9 @@ A policy answers the conversation so far with one reply in the agent's
 protocol. `oracle` replays the task's `solution/solve.sh`: one line per
 turn when the script is a plain list of one-line commands (the built-in
 tasks are written that way, so their solutions double as agent turns), or
-else a single turn that runs the uploaded script. `nop` declares the task
+else a single turn that runs the uploaded script; with a pane agent
+(terminus_2), whose keystrokes do not wait for their command, it then types
+a marker and waits, turn by turn, until the marker's output shows. `nop` declares the task
 done at once. `model` samples each reply from a backend's sampler and keeps
 the episode's tokens exactly as sampled (`SampledTokens`, which the episode
 carries as `Episode.sampled`), so training on an episode uses the sampled
@@ -28,6 +30,10 @@ from tbexp.tasks.harbor_task import Task
 # A line opening a block must close it on the same line; a line starting with a closer continues an earlier one.
 _OPENERS = {"if": "fi", "for": "done", "while": "done", "until": "done", "case": "esac", "{": "}"}
 _CLOSERS = {"then", "else", "elif", "fi", "do", "done", "esac", "}"}
+
+
+SETTLE_COMMAND, SETTLE_OUTPUT = "echo tbexp-oracle-$((40 + 2))", "tbexp-oracle-42"
+SETTLE_WAIT_S, MAX_SETTLE_WAIT_S = 1.0, 60.0  # the first waiting turn's wait, doubling up to Harbor's cap
 
 
 class EpisodePolicy(Protocol):
@@ -54,9 +60,21 @@ class OraclePolicy:
             lines = ["bash /solution/solve.sh"]
         self.replies = [agent.format([line], done=False) for line in lines]
         self.done_reply = agent.format([], done=True)
+        # A pane agent (terminus_2) types keys and waits a fixed time, not for the command: before saying done,
+        # the oracle types a marker and waits until its output shows (the typed line shows the unexpanded form).
+        self.settle = getattr(agent, "settle_reply", None)
+        if self.settle:
+            self.replies.append(agent.format([SETTLE_COMMAND], done=False))
+        self.settled, self.waits = not self.settle, 0
 
     def act(self, messages: list[dict[str, str]]) -> str:
-        return self.replies.pop(0) if self.replies else self.done_reply
+        if self.replies:
+            return self.replies.pop(0)
+        if not self.settled and SETTLE_OUTPUT not in messages[-1]["content"]:
+            self.waits += 1  # 1, 2, 4, ... s: a long solution is waited for within a few turns
+            return self.settle(min(SETTLE_WAIT_S * 2 ** (self.waits - 1), MAX_SETTLE_WAIT_S))
+        self.settled = True
+        return self.done_reply
 
 
 class NopPolicy:
@@ -73,7 +91,7 @@ class ModelRuntime:
     """What every model-policy episode shares: a sampler over fixed weights, a renderer, sampling settings."""
 
     sampler: Any  # tbexp.backends.base.Sampler
-    renderer: Any  # tbexp.renderers.Renderer
+    renderer: Any  # tbexp.models.renderers.Renderer
     params: Any  # tinker.types.SamplingParams
     max_context_tokens: int = 2048
     seed: int | None = (
@@ -111,12 +129,21 @@ class SampledTokens:
         return sum(len(turn.tokens) for turn in self.turns)
 
 
+def sampled_sequences(episode: Any) -> list[SampledTokens]:
+    """Every token sequence the model sampled in an episode: one per step of a multi-step task, else its one."""
+    steps = getattr(episode, "step_sampled", None)
+    if steps:
+        return list(steps)
+    return [episode.sampled] if getattr(episode, "sampled", None) is not None else []
+
+
 class ModelPolicy:
     def __init__(self, task: Task, agent: Agent, runtime: ModelRuntime, run: int = 0):
         self.uploads: dict[Path, str] = {}
         self.runtime = runtime
         self.sampled = SampledTokens()
         self.done_reply = agent.format([], done=True)
+        self.out_of_context = False
         self._seed = None if runtime.seed is None else zlib.crc32(f"{runtime.seed}/{task.name}/{run}".encode())
 
     def act(self, messages: list[dict[str, str]]) -> str:
@@ -126,22 +153,27 @@ class ModelPolicy:
         else:
             s.tokens = s.tokens + r.renderer.continuation_tokens(messages[-1]["content"], s.turns[-1].tokens)
         if len(s.tokens) + r.params.max_tokens > r.max_context_tokens:
+            self.out_of_context = True  # a session that stops_out_of_context ends here, the reply unused
             return self.done_reply  # out of context: end the episode rather than truncate what the model saw
-        from tinker import types
-
         params = r.params if self._seed is None else r.params.model_copy(update={"seed": self._seed + len(s.turns)})
         start = time.perf_counter()
-        if r.queue is not None:
-            from tbexp.backends.batch_sampling import Request
-
-            sequence = r.queue.submit(Request(s.tokens, params))
-        else:
-            with r.lock:
-                sequence = r.sampler.sample(types.ModelInput.from_ints(s.tokens), 1, params).result()[0]
+        sequence = sample_reply(r, s.tokens, params)
         s.sample_s += time.perf_counter() - start
         s.turns.append(SampledTurn(len(s.tokens), list(sequence.tokens), list(sequence.logprobs)))
         s.tokens = s.tokens + list(sequence.tokens)
         return r.renderer.decode_reply(sequence.tokens)
+
+
+def sample_reply(runtime: ModelRuntime, tokens: list[int], params: Any) -> Any:
+    """One reply to `tokens`: through the runtime's batch queue when it has one, else one sample at a time."""
+    if runtime.queue is not None:
+        from tbexp.backends.batch_sampling import Request
+
+        return runtime.queue.submit(Request(tokens, params))
+    from tinker import types
+
+    with runtime.lock:
+        return runtime.sampler.sample(types.ModelInput.from_ints(tokens), 1, params).result()[0]
 
 
 def solution_turns(script: str) -> list[str] | None:

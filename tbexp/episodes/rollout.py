@@ -2,13 +2,20 @@
 
 `run_episode` is the whole life of a sandbox: start → agent turns until the
 agent is done or `max_turns` → tests → stop. It never raises. Its verdict
-follows `tbexp.verdicts`: a sandbox or verifier that fails for reasons the
+follows `tbexp.episodes.verdicts`: a sandbox or verifier that fails for reasons the
 agent cannot cause makes the episode *invalid* (with the reason), which
 callers drop instead of scoring 0; damage the agent's own commands do to its
 sandbox is the agent's failure, so that episode is scored (0 where the
 verifier could check nothing) with `damage` saying what broke.
 `run_episodes` runs many at once on threads (the work happens in sandbox
 processes, so threads suffice) with a progress bar.
+
+The agent's commands run as task.toml's `[agent] user`, test.sh as its `[verifier] user`
+(`Sandbox.as_user`); a separate verifier runs in a sandbox of its own
+(`tbexp.episodes.separate_verifier`). A task that asks for a network the
+sandbox does not give it (an `allowlist`, which nothing here can enforce, or
+`public` with `sandbox.allow_network=false`) runs offline, and `Episode.network`
+says so, so such episodes can be counted and told apart.
 """
 
 from __future__ import annotations
@@ -20,12 +27,13 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import Any
 
-from tbexp.agents.base import Agent, ShellSession, Turn
-from tbexp.policies import SampledTokens
+from tbexp.agents.base import Agent, AgentSession, Turn
+from tbexp.episodes.policies import SampledTokens, sampled_sequences
+from tbexp.episodes.separate_verifier import CONVENTION_DIR, verify_task
+from tbexp.episodes.verdicts import INFRA_ERRORS, NO_RESULT, judge, second_look
+from tbexp.episodes.verifier import TestReport, VerifierError
 from tbexp.sandboxes.base import SandboxError, make_sandbox
 from tbexp.tasks.harbor_task import Task
-from tbexp.verdicts import INFRA_ERRORS, NO_RESULT, judge, second_look
-from tbexp.verifier import TestReport, VerifierError, verify
 
 PolicyFactory = Callable[[Task, Agent], Any]
 
@@ -41,9 +49,16 @@ class Episode:
     time_s: dict[str, float] = field(default_factory=dict)  # start, agent, verify, stop
     messages: list[dict[str, str]] = field(default_factory=list)
     sampled: SampledTokens | None = (
-        None  # policy=model: the tokens as sampled, with their logprobs (training reads them)
+        None  # policy=model: the tokens as sampled, with their logprobs; a multi-step task's: its last step's
     )
     step_reports: dict[str, TestReport] = field(default_factory=dict)  # a multi-step task's tests, step by step
+    step_sampled: list[SampledTokens] = field(default_factory=list)  # policy=model: every step's tokens, in order
+    network: str = ""  # "" = the sandbox had the network the task asked for; else what it asked and what it got
+
+    @property
+    def sequences(self) -> list[SampledTokens]:
+        """Every token sequence the model sampled in this episode (one per step), for training."""
+        return sampled_sequences(self)
 
     @property
     def n_commands(self) -> int:
@@ -57,30 +72,35 @@ class Episode:
 def run_episode(
     task: Task, run: int, agent: Agent, policy_factory: PolicyFactory, sandbox_settings: Any, max_turns: int
 ) -> Episode:
-    episode = Episode(task, run)
+    episode = Episode(task, run, network=network_note(task, sandbox_settings))
     clock = time.perf_counter()
     sandbox = make_sandbox(sandbox_settings, task)
     failure = health = ""  # a verifier that gave no result after the agent acted, and the sandbox's state then
+    judged = task  # the task (or the step) whose verifier gave no result
+    shared: tuple = ()  # the tests copied under it (a step's task-level tests)
     try:
         if len(task.steps) > 1:
             sandbox.start()
             clock = _lap(episode, "start", clock)
-            clock = _run_steps(episode, agent, policy_factory, sandbox, max_turns, clock)
+            clock, failure, health, judged, shared = _run_steps(
+                episode, agent, policy_factory, sandbox, max_turns, clock
+            )
         else:
             policy = policy_factory(task, agent)
             episode.sampled = getattr(policy, "sampled", None)  # the model policy fills it in as it acts
             sandbox.start()
+            _start_phase(sandbox, task)
             clock = _lap(episode, "start", clock)
             for local, remote in policy.uploads.items():
                 sandbox.upload(local, remote)
-            _agent_loop(episode, agent, policy, ShellSession(sandbox, sandbox.workdir), max_turns)
-            clock = _lap(episode, "agent", clock)
+            with sandbox.as_user(task.agent_user):  # a terminal the session starts is the agent user's
+                session = agent.open(sandbox)
             try:
-                episode.report = verify(sandbox, task)
-            except INFRA_ERRORS as err:
-                if not _agent_acted(episode):
-                    raise  # the agent ran nothing: the failure cannot be its
-                episode.report, failure, health = second_look(sandbox, task, err)
+                _agent_loop(episode, policy, session, max_turns)
+            finally:
+                session.close()
+            clock = _lap(episode, "agent", clock)
+            episode.report, failure, health = _verify(episode, sandbox, task)
             clock = _lap(episode, "verify", clock)
     except (SandboxError, VerifierError, OSError) as err:
         episode.invalid = f"{type(err).__name__}: {err}"
@@ -93,10 +113,51 @@ def run_episode(
             episode.invalid = episode.invalid or f"stop failed: {err}"
         _lap(episode, "stop", clock)
     if failure and not episode.invalid:  # after the stop: the control sandbox must not share this one's resources
-        episode.invalid, damage = judge(failure, health, task, sandbox_settings)
+        episode.invalid, damage = judge(failure, health, judged, sandbox_settings, shared)
         episode.damage = "; ".join(d for d in (episode.damage, damage) if d)
         episode.report = None if episode.invalid else NO_RESULT
     return episode
+
+
+def network_note(task: Task, sandbox_settings: Any) -> str:
+    """'' when the sandbox gives the task the network it asks for, else what it asked and what it ran with.
+
+    >>> from pathlib import Path
+    >>> class Node: allow_network = False
+    >>> network_note(Task("x/t", Path("/t"), "", {}, network_mode="allowlist"), Node())
+    'the task asks for network_mode "allowlist", which cannot be enforced here; it ran with no network'
+    >>> network_note(Task("x/t", Path("/t"), "", {}, network_mode="no-network"), Node())
+    ''
+    """
+    mode = task.network_mode
+    if mode == "allowlist":
+        hosts = getattr(task.harbor.environment, "allowed_hosts", None) if task.harbor is not None else None
+        listed = f" ({', '.join(map(str, hosts))})" if hosts else ""
+        cannot = "which cannot be enforced here; it ran with no network"
+        return f'the task asks for network_mode "allowlist"{listed}, {cannot}'
+    if mode == "public" and not getattr(sandbox_settings, "allow_network", False):
+        said = {"network_mode", "allow_internet"} & set(task.config.get("environment", {}))
+        default = "" if said else " (Harbor's default: task.toml names no network_mode)"
+        return f'the task asks for network_mode "public"{default}; it ran with no network (sandbox.allow_network=false)'
+    return ""
+
+
+def _start_phase(sandbox: Any, task: Task) -> None:
+    """What Harbor's environments have at start that a task's files may expect: /logs/artifacts, for a separate
+    verifier (the agent publishes there), writable by the agent's user."""
+    if task.separate_verifier is not None:
+        with sandbox.as_user("root"):  # the image's USER may not own /logs
+            sandbox.exec(f"mkdir -p {CONVENTION_DIR} && chmod 777 {CONVENTION_DIR}", timeout_s=30)
+
+
+def _verify(episode: Episode, sandbox: Any, task: Task, shared_tests: tuple = ()) -> tuple[TestReport | None, str, str]:
+    """(report, failure, health): the task's tests; a failure after the agent acted gets the second look."""
+    try:
+        return verify_task(sandbox, task, shared_tests), "", ""
+    except INFRA_ERRORS as err:
+        if not _agent_acted(episode):
+            raise  # the agent ran nothing: the failure cannot be its
+        return second_look(sandbox, task, err, shared_tests)
 
 
 def _agent_acted(episode: Episode) -> bool:
@@ -104,38 +165,36 @@ def _agent_acted(episode: Episode) -> bool:
     return bool(episode.damage) or any(turn.results for turn in episode.turns)
 
 
-def _agent_loop(
-    episode: Episode, agent: Agent, policy: Any, shell: ShellSession, max_turns: int, task: Task | None = None
-) -> None:
+def _agent_loop(episode: Episode, policy: Any, session: AgentSession, max_turns: int, task: Task | None = None) -> None:
     """The agent's turns on `task` (a step of a multi-step task; default: the episode's) until done or out of time."""
     task = task or episode.task
-    episode.messages = [{"role": "user", "content": agent.prompt(task)}]
+    episode.messages = [{"role": "user", "content": session.begin(task)}]
     deadline = time.monotonic() + task.agent_timeout_s
+    with session.sandbox.as_user(task.agent_user):  # task.toml's [agent] user
+        _turns(episode, policy, session, max_turns, deadline)
+
+
+def _turns(episode: Episode, policy: Any, session: AgentSession, max_turns: int, deadline: float) -> None:
     for _ in range(max_turns):
+        if not session.alive():  # the terminal is gone (the agent ended its shell): graded as it stands
+            return
         reply = policy.act(episode.messages)
+        if session.stops_out_of_context and getattr(policy, "out_of_context", False):
+            return
         episode.messages.append({"role": "assistant", "content": reply})
-        turn = Turn(reply, agent.parse(reply, episode.turns))
-        timeouts = turn.action.timeouts_s or [None] * len(turn.action.commands)
-        for command, timeout_s in zip(turn.action.commands, timeouts):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            limit = min(left, max(timeout_s or 0.0, shell.sandbox.settings.command_timeout_s))
-            try:
-                turn.results.append(shell.run(command, limit))
-            except (SandboxError, OSError) as err:  # the agent's command broke its sandbox: its failure, still scored
-                episode.turns.append(turn)
-                episode.damage = f"a command broke the sandbox: {type(err).__name__}: {err}"
-                return
-        episode.turns.append(turn)
-        if turn.action.done or time.monotonic() >= deadline:
+        outcome = session.step(reply, episode.turns, deadline)
+        episode.turns.append(outcome.turn)
+        if outcome.damage:
+            episode.damage = outcome.damage
+            return
+        if outcome.observation is None or time.monotonic() >= deadline:
             return  # an agent time-out is still graded, as in Harbor
-        episode.messages.append({"role": "user", "content": agent.observe(turn)})
+        episode.messages.append({"role": "user", "content": outcome.observation})
 
 
 def _run_steps(
     episode: Episode, agent: Agent, policy_factory: PolicyFactory, sandbox: Any, max_turns: int, clock: float
-) -> float:
+) -> tuple[float, str, str, Task, tuple]:
     """A multi-step task's steps in order in one sandbox, as Harbor's MultiStepTrial runs them.
 
     Each step: its `workdir/` is copied into the working directory and its `setup.sh` run; the agent starts a
@@ -143,33 +202,54 @@ def _run_steps(
     the step's turn budget and time-out, in the same shell; then the step's tests (the task's tests/, the
     step's own over them) run and are cleared before the next step. A step below its `min_reward` ends the
     episode. The report is Harbor's trial reward: per-key means over the steps (or the last step's, with
-    `multi_step_reward_strategy = "final"`), and every step's tests, named `step::test`.
-    Simplified: a model policy's sampled tokens are kept for the last step only (`episode.sampled`).
+    `multi_step_reward_strategy = "final"`), and every step's tests, named `step::test`. A model policy's
+    tokens are kept for every step (`episode.step_sampled`: each step's conversation is its own sequence).
+    A step whose verifier gives no result after the agent acted gets the same second look as a one-step task's;
+    if it still gives none, the episode ends there and `run_episode` judges it: returned as (clock, failure,
+    health, the step's task, its shared tests), failure '' when every step verified.
     """
-    task, messages, shell = episode.task, [], ShellSession(sandbox, sandbox.workdir)
+    task, messages = episode.task, []
+    with sandbox.as_user(task.agent_user):  # a terminal the session starts is the agent user's
+        session = agent.open(sandbox)
     spent_s = {"agent": 0.0, "verify": 0.0}  # summed over the steps
-    for step in task.steps:
-        step_task = task.for_step(step)
-        _prepare_step(sandbox, step)
-        policy = policy_factory(step_task, agent)
-        episode.sampled = getattr(policy, "sampled", None)
-        for local, remote in policy.uploads.items():
-            sandbox.upload(local, remote)
-        _agent_loop(episode, agent, policy, shell, max_turns, step_task)
-        messages += episode.messages
-        clock = _lap(episode, "agent", clock)
-        spent_s["agent"] += episode.time_s["agent"]
-        # the task's shared tests/ first, the step's own over them
-        report = episode.step_reports[step.name] = verify(sandbox, step_task, shared_tests=step.tests_dirs[:-1])
-        sandbox.exec("rm -rf /tests/* /tests/.[!.]* /logs/verifier", timeout_s=30)  # the next step must not see them
-        clock = _lap(episode, "verify", clock)
-        spent_s["verify"] += episode.time_s["verify"]
-        if _below(report.rewards, step.min_reward):
-            break
+    failure = health = ""
+    step_task, shared = task, ()
+    try:
+        for step in task.steps:
+            step_task, shared = (
+                task.for_step(step),
+                step.tests_dirs[:-1],
+            )  # the task's shared tests/, the step's over them
+            _prepare_step(sandbox, step)
+            _start_phase(sandbox, step_task)
+            policy = policy_factory(step_task, agent)
+            episode.sampled = getattr(policy, "sampled", None)
+            if episode.sampled is not None:
+                episode.step_sampled.append(episode.sampled)
+            for local, remote in policy.uploads.items():
+                sandbox.upload(local, remote)
+            _agent_loop(episode, policy, session, max_turns, step_task)
+            messages += episode.messages
+            clock = _lap(episode, "agent", clock)
+            spent_s["agent"] += episode.time_s["agent"]
+            report, failure, health = _verify(episode, sandbox, step_task, shared)
+            clock = _lap(episode, "verify", clock)
+            spent_s["verify"] += episode.time_s["verify"]
+            if report is None:
+                break
+            episode.step_reports[step.name] = report
+            sandbox.exec(
+                "rm -rf /tests/* /tests/.[!.]* /logs/verifier", timeout_s=30
+            )  # the next step must not see them
+            if _below(report.rewards, step.min_reward):
+                break
+    finally:
+        session.close()
     episode.messages = messages
     episode.time_s.update(spent_s)
-    episode.report = _combine_steps(episode.step_reports, task)
-    return clock
+    if not failure:
+        episode.report = _combine_steps(episode.step_reports, task)
+    return clock, failure, health, step_task, shared
 
 
 def _prepare_step(sandbox: Any, step: Any) -> None:

@@ -1,7 +1,7 @@
 """tbexp's sandboxes as Harbor environments, so Harbor's own runner can use them.
 
-    EnvironmentConfig(import_path="tbexp.harbor_env:BwrapEnvironment")     # or harbor run -e ...
-    EnvironmentConfig(import_path="tbexp.harbor_env:DockerEnvironment", kwargs={"sandbox": {"cpus": 2}})
+    EnvironmentConfig(import_path="tbexp.sandboxes.harbor_env:BwrapEnvironment")     # or harbor run -e ...
+    EnvironmentConfig(import_path="tbexp.sandboxes.harbor_env:DockerEnvironment", kwargs={"sandbox": {"cpus": 2}})
 
 `SandboxEnvironment` adapts any `tbexp.sandboxes.base.Sandbox` to
 `harbor.environments.base.BaseEnvironment`: the task directory is the parent of
@@ -9,26 +9,30 @@ Harbor's `environment_dir`, `start`/`stop` are the sandbox's, and each async
 method runs the blocking sandbox call on a thread. Harbor's `exec(command, cwd,
 env, timeout_sec, user)` becomes one `Sandbox.exec` of a script that changes
 directory and exports the variables first. The sandbox node comes from
-`SandboxConfig` defaults, overlaid by the environment's `kwargs["sandbox"]`,
-then by the task's own `memory_mb` / `storage_mb` / `cpus`.
+the sandbox's own schema (`BwrapSandboxConfig`, `DockerSandboxConfig`) defaults, overlaid by the environment's `kwargs["sandbox"]`,
+then by the task's own `memory_mb` / `storage_mb` / `cpus` (docker only: bwrap has no CPU quota).
 
 What it simplifies or refuses:
 * Output: stdout and stderr come back interleaved, all in `stdout`; the
   sandbox's `output_limit_bytes` still applies (a command printing more is
   killed, exit 125), so Harbor agents that print a lot need a larger limit.
-* Processes: nothing outlives its exec (both sandboxes end whatever a
-  command started), so Harbor agents that keep a background process between
-  execs, like terminus-2's tmux server, cannot run here; `oracle`, `nop` and
-  agents that exec one command at a time can.
-* Users: commands run as the sandbox's own user (root in bwrap, the image's
-  user in Docker); Harbor asking for any user but root is refused at that
-  exec, so tasks with a non-root `[agent].user` or `[verifier].user` fail.
+* Processes: in `BwrapEnvironment` what a command starts lives on until the
+  environment stops, as in a container (`tbexp.sandboxes.bwrap_session`).
+  `DockerEnvironment`'s sandbox ends whatever an exec started, except the
+  tmux server of a command that starts one (`tmux new-session`, as
+  terminus-2's TmuxSession does): that command runs through
+  `Sandbox.start_daemon`, so the server and its panes live until stop. Other
+  agents that keep a background process between execs run only in bwrap.
+* Users: a command Harbor runs as a user (`[agent].user`, `[verifier].user`)
+  runs as that user (`Sandbox.as_user`); None is the image's USER.
 * Network: tbexp sandboxes have none, so the environment declares
   `disable_internet`, and a task whose network mode is `public` runs offline too,
   as in tbexp's own episodes (the downloads a Terminal-Bench test.sh makes are
   provisioned: sandboxes/provision.py, applied to Harbor's verifier command).
 * A prebuilt `[environment] docker_image` is run as tbexp's sandboxes run it.
 * No host mounts: Harbor downloads `/logs/...` after each phase instead.
+* A separate verifier environment is built from the directory Harbor names
+  (`tests/` with its own Dockerfile), as tbexp's episodes build it.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import asyncio
 import os
 import shlex
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar
@@ -49,13 +54,13 @@ from harbor.models.trial.paths import EnvironmentPaths  # noqa: E402
 from hydra.utils import get_class  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from tbexp.config import SandboxConfig  # noqa: E402
+from tbexp.config import BwrapSandboxConfig, DockerSandboxConfig, SandboxConfig  # noqa: E402
 from tbexp.sandboxes import provision  # noqa: E402
 from tbexp.sandboxes.base import Sandbox  # noqa: E402
 from tbexp.tasks.harbor_task import Task  # noqa: E402
 
 NO_TIMEOUT_S = 24 * 3600.0  # Harbor's timeout_sec=None means "none"; the trial's own time-outs bound the phase
-ROOT_USERS = (None, "root", 0, "0")
+TMUX_SERVER_START = "tmux new-session"  # a command that starts a tmux server, whose panes must outlive the exec
 
 # Sandbox calls block for the whole command, so they get their own threads rather than asyncio's
 # default pool (cpu_count + 4 threads), which would queue trials once more of them run at once.
@@ -65,24 +70,25 @@ _threads = ThreadPoolExecutor(max_workers=128, thread_name_prefix="tbexp-harbor-
 class SandboxEnvironment(BaseEnvironment):
     """A Harbor environment backed by one single-use tbexp sandbox."""
 
-    sandbox_target: ClassVar[str]  # the tbexp Sandbox class, as `_target_`
+    sandbox_schema: ClassVar[type[SandboxConfig]]  # its settings (their `_target_` is the tbexp Sandbox class)
     sandbox_name: ClassVar[str]  # its `sandbox.name`, also Harbor's environment type
 
     def __init__(self, *args: Any, sandbox: dict[str, Any] | None = None, **kwargs: Any):
-        base = OmegaConf.structured(SandboxConfig(_target_=self.sandbox_target, name=self.sandbox_name))
+        base = OmegaConf.structured(self.sandbox_schema)
         self.settings = OmegaConf.merge(base, sandbox or {})
         super().__init__(*args, **kwargs)
         self._apply_task_resources()
         self.task = Task(
             name=self.environment_name,
             path=Path(self.environment_dir).parent,
+            environment_path=Path(self.environment_dir),  # tests/ for a separate verifier
             instruction="",
             config={},
             workdir=self.task_env_config.workdir or "/app",
             docker_image=self.task_env_config.docker_image or "",
             network_mode="no-network",  # offline whatever the task asks, as tbexp's own episodes run it
         )
-        self.sandbox: Sandbox = get_class(self.sandbox_target)(self.settings, self.task)
+        self.sandbox: Sandbox = get_class(self.settings._target_)(self.settings, self.task)
 
     @classmethod
     def type(cls) -> str:  # Harbor declares it static; a classmethod is called the same way
@@ -107,7 +113,7 @@ class SandboxEnvironment(BaseEnvironment):
             ("disk_mb", self._effective_storage_mb),
             ("cpus", self._effective_cpus),
         ):
-            if value:
+            if value and key in self.settings:  # bwrap has no CPU quota
                 self.settings[key] = value
 
     async def _call(self, fn, *args: Any) -> Any:
@@ -138,17 +144,21 @@ class SandboxEnvironment(BaseEnvironment):
         user: str | int | None = None,
     ) -> ExecResult:
         user = self._resolve_user(user)
-        if user not in ROOT_USERS:
-            raise RuntimeError(f"{self.type()}: commands run as root only; the task asks for user {user!r}")
         script = _with_cwd_and_env(command, cwd, self._merge_env(env))
         if "/tests/test.sh" in command:  # Harbor's verifier: uv offline, on what provision.py put in place
             script = provision.verifier_command(
                 getattr(self.sandbox, "provision", None), f"bash -c {shlex.quote(script)}"
             )
-        result = await self._call(self.sandbox.exec, script, float(timeout_sec) if timeout_sec else NO_TIMEOUT_S)
+        timeout_s = float(timeout_sec) if timeout_sec else NO_TIMEOUT_S
+        result = await self._call(self._exec_as, user, script, timeout_s)
         if callback := self._output_callback():
             await callback(result.output, "stdout")
         return ExecResult(stdout=result.output, stderr="", return_code=result.exit_code)
+
+    def _exec_as(self, user, script: str, timeout_s: float):
+        run = self.sandbox.start_daemon if TMUX_SERVER_START in script else self.sandbox.exec
+        with self.sandbox.as_user(user):
+            return run(script, timeout_s)
 
     async def upload_file(self, source_path: Path | str, target_path: str) -> None:
         await self._call(self.sandbox.upload, Path(source_path), target_path)
@@ -176,8 +186,15 @@ def _with_cwd_and_env(command: str, cwd: str | None, env: dict[str, str] | None)
     return "\n".join([*lines, command])
 
 
+@dataclass
+class BwrapSessionConfig(BwrapSandboxConfig):
+    """bwrap's settings, for the sandbox whose processes live between execs, as a container's do."""
+
+    _target_: str = "tbexp.sandboxes.bwrap_session.BwrapSessionSandbox"
+
+
 class BwrapEnvironment(SandboxEnvironment):
-    sandbox_target = "tbexp.sandboxes.bwrap.BwrapSandbox"
+    sandbox_schema = BwrapSessionConfig
     sandbox_name = "bwrap"
 
     def _validate_definition(self) -> None:
@@ -189,5 +206,5 @@ class BwrapEnvironment(SandboxEnvironment):
 
 
 class DockerEnvironment(SandboxEnvironment):
-    sandbox_target = "tbexp.sandboxes.docker.DockerSandbox"
+    sandbox_schema = DockerSandboxConfig
     sandbox_name = "docker"

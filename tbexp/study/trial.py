@@ -60,7 +60,7 @@ def report(cfg: Any, metric: str, value: float, step: int, higher_is_better: boo
             f"trial {settings.number} of study {settings.study!r} was already finished; stopping this orphaned job"
         ) from None
     if should_prune:
-        from tbexp.study import PRUNED_AT_ATTR
+        from tbexp.study.storage import PRUNED_AT_ATTR
 
         trial.set_user_attr(PRUNED_AT_ATTR, step)
         study.tell(settings.number, state=optuna.trial.TrialState.PRUNED)
@@ -72,7 +72,7 @@ def _trial(storage: str, study_name: str, number: int) -> tuple[Any, Any]:
     """The study and a live Trial handle, opened once per job (opening a storage costs a connection)."""
     import optuna
 
-    from tbexp.study import load_study
+    from tbexp.study.storage import load_study
 
     study = load_study(storage, study_name, create_tables=False)
     trial_id = study._storage.get_trial_id_from_study_id_trial_number(study._study_id, number)

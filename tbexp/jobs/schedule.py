@@ -11,6 +11,8 @@ import math
 import random
 from typing import Any, TypeVar
 
+from tbexp.seeds import stream
+
 T = TypeVar("T")
 
 
@@ -24,7 +26,7 @@ def epoch_batch(items: list[T], step: int, batch_size: int, seed: int) -> list[T
     for index in range(step * batch_size, (step + 1) * batch_size):
         epoch, position = divmod(index, len(items))
         order = list(range(len(items)))
-        random.Random(seed * 1_000_003 + epoch).shuffle(order)
+        random.Random(stream(seed, "epoch", epoch)).shuffle(order)
         rows.append(items[order[position]])
     return rows
 

@@ -269,7 +269,7 @@ class _Trackio(_Run):
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
     path = Path(run_dir) / "summary.json"
     tmp = path.with_suffix(".json.tmp")
-    # allow_nan: a metric over no valid episode is NaN (tbexp.scoring), written as NaN, which json.loads reads back
+    # allow_nan: a metric over no valid episode is NaN (tbexp.episodes.scoring), written as NaN, which json.loads reads back
     tmp.write_text(json.dumps(summary, indent=2, sort_keys=True, allow_nan=True) + "\n")
     tmp.replace(path)  # a reader never sees half a summary
     return path

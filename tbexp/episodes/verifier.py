@@ -11,11 +11,15 @@ files (`tests/test_*.py`, `*_test.py`, or a test.sh that calls pytest) but that
 reported no test that passed or failed, raises `VerifierError`: it ran no test,
 so a reward file it wrote measures nothing. Whose failure that is (the agent's,
 which wrecked what the tests need, or the verifier's) is decided in
-`tbexp.verdicts`, never here.
+`tbexp.episodes.verdicts`, never here.
 
 Before the upload, one exec empties `/tests` and makes `/logs/verifier` a
-fresh directory, so nothing the agent planted there (a `conftest.py`, a
-symlink, a file where the directory belongs) is read by the tests.
+fresh directory (writable by every user, as Harbor's `empty_dirs(chmod=True)`
+leaves it), so nothing the agent planted there (a `conftest.py`, a
+symlink, a file where the directory belongs) is read by the tests. test.sh
+runs as task.toml's `[verifier] user` (None: the image's USER). A separate
+verifier's image may hold the tests itself (`tests_in_image`): then `/tests`
+is left as the image has it and nothing is uploaded.
 """
 
 from __future__ import annotations
@@ -40,7 +44,12 @@ PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
 # /tests or /logs belongs is removed first: emptying a symlinked /tests would empty what it points to.
 PREPARE = (
     'for d in /tests /logs; do { [ -L "$d" ] || { [ -e "$d" ] && [ ! -d "$d" ]; }; } && rm -f "$d"; done; '
-    "rm -rf /tests/* /tests/.[!.]* /tests/..?* /logs/verifier 2>/dev/null; mkdir -p /tests /logs/verifier"
+    "rm -rf /tests/* /tests/.[!.]* /tests/..?* /logs/verifier 2>/dev/null; mkdir -p /tests /logs/verifier; "
+    "chmod 777 /logs/verifier"
+)
+PREPARE_LOGS = (  # the tests are in the image: only /logs/verifier is made afresh
+    "{ [ -L /logs ] || { [ -e /logs ] && [ ! -d /logs ]; }; } && rm -f /logs; "
+    "rm -rf /logs/verifier 2>/dev/null; mkdir -p /logs/verifier; chmod 777 /logs/verifier"
 )
 PREPARE_TIMEOUT_S = 30.0
 
@@ -106,15 +115,18 @@ def _calls_pytest(script: str) -> bool:
     return re.search(r"(?<![\w.-])pytest(?![\w-])", code) is not None
 
 
-def verify(sandbox: Sandbox, task: Task, shared_tests: Sequence[Path] = ()) -> TestReport:
-    """Run `task`'s tests; `shared_tests` are copied to /tests first (a multi-step task's tests/ under a step's own)."""
-    sandbox.exec(PREPARE, timeout_s=PREPARE_TIMEOUT_S)  # what it cannot clear, the upload and the tests meet
-    for tests in (*shared_tests, task.tests_dir):
+def verify(sandbox: Sandbox, task: Task, shared_tests: Sequence[Path] = (), tests_in_image: bool = False) -> TestReport:
+    """Run `task`'s tests; `shared_tests` are copied to /tests first (a multi-step task's tests/ under a step's own).
+
+    `tests_in_image`: the sandbox's image already holds /tests (a separate verifier's tests/Dockerfile).
+    """
+    sandbox.exec(PREPARE_LOGS if tests_in_image else PREPARE, timeout_s=PREPARE_TIMEOUT_S)  # what it cannot clear,
+    for tests in () if tests_in_image else (*shared_tests, task.tests_dir):  # the upload and the tests meet
         sandbox.upload(tests, "/tests")
-    # One exec: clearing stale results and running the tests together saves a sandbox start per episode.
     test_sh = provision.verifier_command(getattr(sandbox, "provision", None), "bash /tests/test.sh")  # uv offline
-    command = f"rm -rf /logs/verifier && mkdir -p /logs/verifier && {test_sh} > /logs/verifier/test-stdout.txt 2>&1"
-    run = sandbox.exec(_exports(task) + command, timeout_s=task.verifier_timeout_s)
+    command = f"mkdir -p /logs/verifier && {test_sh} > /logs/verifier/test-stdout.txt 2>&1"
+    with sandbox.as_user(task.verifier_user):
+        run = sandbox.exec(_exports(task) + command, timeout_s=task.verifier_timeout_s)
     with tempfile.TemporaryDirectory(prefix="tbexp-verifier-") as tmp:
         try:
             sandbox.download("/logs/verifier", Path(tmp))

@@ -1,7 +1,7 @@
 """The sweep report as a W&B Report: `python -m tbexp.report multirun/smoke --wandb`.
 
 The same content as report.md, drawn by W&B from the study's runs (one run
-per job, group = the study, job_type = the stage: tbexp/tracking.py): the
+per job, group = the study, job_type = the stage: tbexp/jobs/tracking.py): the
 summary, the objective over the runs' start times (the optimisation
 history), parameter importances (W&B's own, against the objective),
 parallel coordinates over the swept parameters and the objective, the
@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from tbexp.errors import TbexpError
-from tbexp.report import best_trials, curve_metrics, metric_series, summary_lines, trial_table
-from tbexp.study import JOB_DIR_ATTR, OBJECTIVE_ATTR
-from tbexp.tracking import run_name
+from tbexp.jobs.tracking import run_name
+from tbexp.study.queries import best_trials, curve_metrics, metric_series, summary_lines, trial_table
+from tbexp.study.storage import JOB_DIR_ATTR, OBJECTIVE_ATTR
 
 
 class WandbUnavailable(TbexpError):

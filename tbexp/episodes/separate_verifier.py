@@ -1,0 +1,96 @@
+"""A separate verifier environment: Harbor's `[verifier] environment_mode = "separate"` (or `[verifier.environment]`).
+
+`verify_task` is what an episode calls after the agent's turns. A shared verifier (the default) runs in the
+agent's own sandbox (`tbexp.episodes.verifier.verify`). A separate one runs in a fresh sandbox of its own,
+built like the agent's (`Task.for_verifier`: the same sandbox class and node, the verifier environment's
+Dockerfile, limits and network), and gets from the agent's sandbox exactly what Harbor's trial hands over
+(`harbor.trial.artifact_handler.ArtifactHandler`): the *artifacts*, i.e. Harbor's convention directory
+`/logs/artifacts` and every `artifacts` source task.toml names (a step's own added), each downloaded from the
+agent's sandbox, sanitised as Harbor does (`copy_via_tar`: no setuid bits, no special files, no symlink that
+leads out) and uploaded to the same path in the verifier's sandbox. Nothing else crosses: not the working
+directory, not `/logs/agent`. Where the verifier's Dockerfile is `tests/Dockerfile`, its build context is
+`tests/` and its `COPY . /tests/` puts the tests in the image, so they are not uploaded (Harbor's
+`skip_tests_upload`); a separate verifier without a Dockerfile of its own is a fresh copy of the task's
+environment, and gets the tests uploaded as a shared one does. `/logs/verifier` is read back either way.
+
+Simplified: the agent's sandbox is stopped after the verifier's, not before it as in Harbor (one episode then
+holds two sandboxes for the verifier's run); an artifact's `exclude` patterns are not applied; in a bwrap
+sandbox an artifact can only land under its writable paths (/app, /tmp, /root, /logs, /tests, /solution).
+"""
+
+from __future__ import annotations
+
+import posixpath
+import shlex
+import shutil
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from tbexp.episodes.verifier import TestReport, verify
+from tbexp.sandboxes.base import Sandbox, make_sandbox
+from tbexp.tasks.harbor_task import Task
+
+CONVENTION_DIR = "/logs/artifacts"  # Harbor's EnvironmentPaths.artifacts_dir: what an agent publishes for its verifier
+
+
+def artifact_sources(task: Task, workdir: str) -> list[str]:
+    """The agent-side paths handed to a separate verifier: Harbor's convention directory, then task.toml's.
+
+    >>> from pathlib import Path
+    >>> t = Task("x/t", Path("/t"), "", {}, artifacts=("/app/out.txt", "report.json", "/logs/artifacts/"))
+    >>> artifact_sources(t, "/app")
+    ['/logs/artifacts', '/app/out.txt', '/app/report.json']
+    """
+    artifacts = task.steps[0].artifacts if len(task.steps) == 1 else task.artifacts
+    paths = [posixpath.normpath(posixpath.join(workdir, source)) for source in (CONVENTION_DIR, *artifacts)]
+    return list(dict.fromkeys(paths))
+
+
+def verify_task(sandbox: Sandbox, task: Task, shared_tests: Sequence[Path] = ()) -> TestReport:
+    """The task's tests after the agent is done in `sandbox`: there (shared), or in a verifier sandbox (separate)."""
+    if task.separate_verifier is None:
+        return verify(sandbox, task, shared_tests=shared_tests)
+    with tempfile.TemporaryDirectory(prefix="tbexp-artifacts-") as tmp:
+        handed = collect_artifacts(sandbox, task, Path(tmp))
+        return verify_separately(task, sandbox.settings, handed, shared_tests)
+
+
+def collect_artifacts(sandbox: Sandbox, task: Task, staging: Path) -> list[tuple[Path, str]]:
+    """Download the artifacts from the agent's sandbox into `staging`: [(sanitised host copy, sandbox path)].
+
+    A source that is not there is skipped, as Harbor skips it.
+    """
+    from harbor.environments.tar_transfer import copy_via_tar
+
+    handed = []
+    for index, source in enumerate(artifact_sources(task, sandbox.workdir)):
+        raw = staging / "raw" / str(index) / (posixpath.basename(source) or "root")
+        try:
+            sandbox.download(source, raw)
+        except FileNotFoundError:
+            continue
+        clean = staging / "clean" / str(index)
+        copy_via_tar(raw, clean)  # Harbor's own sanitiser; what it refuses is left out
+        if (clean / raw.name).exists():
+            handed.append((clean / raw.name, source))
+        shutil.rmtree(raw.parent, ignore_errors=True)
+    return handed
+
+
+def verify_separately(
+    task: Task, sandbox_settings, handed: list[tuple[Path, str]], shared_tests: Sequence[Path] = ()
+) -> TestReport:
+    """A fresh sandbox of the task's verifier environment, the artifacts put in place, then the tests."""
+    verifier_task = task.for_verifier()
+    bundled = task.separate_verifier.bundled_tests
+    sandbox = make_sandbox(sandbox_settings, verifier_task)
+    try:
+        sandbox.start()
+        for local, remote in handed:
+            if local.is_dir():  # Harbor empties the directory first, then uploads the artifact's contents
+                sandbox.exec(f"rm -rf {shlex.quote(remote)} && mkdir -p {shlex.quote(remote)}", timeout_s=30)
+            sandbox.upload(local, remote)
+        return verify(sandbox, verifier_task, shared_tests=() if bundled else shared_tests, tests_in_image=bundled)
+    finally:
+        sandbox.stop()
