@@ -9,7 +9,7 @@
 For each sandbox and concurrency level it runs the same oracle episodes twice:
 through tbexp's `run_episode`/`run_episodes` (exactly what the eval stage
 runs), and through Harbor's `Job` (Harbor's oracle agent and verifier) on the
-same sandbox via `tbexp.harbor_env`. The two runners alternate per level, so
+same sandbox via `tbexp.sandboxes.harbor_env`. The two runners alternate per level, so
 load from anything else on the machine hits both alike. Episodes are the
 built-in held-out tasks, then train tasks spread over the families when more
 are asked for, then repeats; every task's sandbox is started once before any
@@ -64,7 +64,10 @@ EPISODES_PER_S_TARGET = {"bwrap": 8.0, "docker": 3.0}
 START_P50_TARGET_MS = {"bwrap": 20.0}
 HARBOR_RATIO_TARGET = 1.5
 PHASES = ("start", "agent", "verify", "stop")
-ENVIRONMENTS = {"bwrap": "tbexp.harbor_env:BwrapEnvironment", "docker": "tbexp.harbor_env:DockerEnvironment"}
+ENVIRONMENTS = {
+    "bwrap": "tbexp.sandboxes.harbor_env:BwrapEnvironment",
+    "docker": "tbexp.sandboxes.harbor_env:DockerEnvironment",
+}
 
 
 @dataclass
@@ -204,8 +207,8 @@ def _warm_up(cfg, tasks) -> None:
 
 def _run_tbexp(cfg, jobs, concurrency: int) -> Run:
     from tbexp.agents.base import make_agent
-    from tbexp.policies import make_policy
-    from tbexp.rollout import run_episode, run_episodes
+    from tbexp.episodes.policies import make_policy
+    from tbexp.episodes.rollout import run_episode, run_episodes
 
     agent = make_agent(cfg.agent)
 

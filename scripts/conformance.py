@@ -23,7 +23,7 @@ loaded may abort the set), it runs again without the task its error names, or el
 task, so the rest still get numbers. A task
 the stage could not load, or whose every episode is invalid, counts as *unrunnable*, with the
 reason. With `--harbor`, Harbor's own `Trial` (its `oracle` and `nop` agents, its verifier) runs
-the same tasks on the same sandboxes through `tbexp.harbor_env`; its per-test fraction is read
+the same tasks on the same sandboxes through `tbexp.sandboxes.harbor_env`; its per-test fraction is read
 from the verifier logs Harbor downloaded, its own reward is shown beside it. Terminal-Bench 1
 directories are converted for Harbor with Harbor's own mapper first.
 
@@ -318,7 +318,10 @@ def _last_error(done: subprocess.CompletedProcess) -> str:
 
 # ---------------------------------------------------------------- Harbor's trial runner on tbexp's sandboxes
 
-HARBOR_ENVIRONMENTS = {"bwrap": "tbexp.harbor_env:BwrapEnvironment", "docker": "tbexp.harbor_env:DockerEnvironment"}
+HARBOR_ENVIRONMENTS = {
+    "bwrap": "tbexp.sandboxes.harbor_env:BwrapEnvironment",
+    "docker": "tbexp.sandboxes.harbor_env:DockerEnvironment",
+}
 
 
 def run_harbor(
@@ -383,7 +386,7 @@ def _harbor_task_dir(e: Expectation, converted: Path) -> Path | Score:
     from harbor.models.task.config import NetworkMode
 
     # Terminal-Bench 1 never said whether a task needs the network (Harbor maps it to "public"); tbexp's
-    # sandboxes have none, and tbexp.harbor_env refuses tasks that ask for it, so the copy says no-network.
+    # sandboxes have none, and tbexp.sandboxes.harbor_env refuses tasks that ask for it, so the copy says no-network.
     mapper = TerminalBenchMapper(environment_overrides={"network_mode": NetworkMode.NO_NETWORK})
     try:
         return mapper._map_task(e.path, target)  # what `harbor tasks migrate` runs for each task
@@ -393,7 +396,7 @@ def _harbor_task_dir(e: Expectation, converted: Path) -> Path | Score:
 
 def harbor_score(result, trial_dir: Path) -> Score:
     """Harbor's own reward, and the per-test fraction of the verifier logs it downloaded (as tbexp reads them)."""
-    from tbexp.verifier import VerifierError, read_results
+    from tbexp.episodes.verifier import VerifierError, read_results
 
     failures = [x for x in result.recorded_exceptions() if x is not None]
     if not result.reward_valid:

@@ -6,7 +6,7 @@
 
 One test per task and runner, so a failure names the task; the numbers come from
 scripts/conformance.py, the runner a user runs (tbexp's eval stage as a subprocess, Harbor's
-`Trial` through tbexp.harbor_env). A module fixture runs the tasks the session selected, once
+`Trial` through tbexp.sandboxes.harbor_env). A module fixture runs the tasks the session selected, once
 per runner, and each test asserts its own task's row. A sandbox that cannot be had here (no
 bwrap or root file system, no Docker engine) skips its tests with the reason. The checks
 themselves are shown to fail: a conformance.toml with a wrong expectation makes the script exit

@@ -177,8 +177,8 @@ def test_a_multi_step_task_loads_its_steps_in_order(tmp_path):
 )
 def test_a_multi_step_task_runs_every_step_in_one_sandbox(rootfs, tmp_path, strategy, reward, style):
     from tbexp.agents.base import make_agent
-    from tbexp.policies import make_policy
-    from tbexp.rollout import run_episode
+    from tbexp.episodes.policies import make_policy
+    from tbexp.episodes.rollout import run_episode
 
     settings = compose_config("sandbox.command_timeout_s=10")
     task = load_task(_multistep(tmp_path / "two", strategy))
@@ -208,8 +208,8 @@ def test_a_multi_step_task_runs_every_step_in_one_sandbox(rootfs, tmp_path, stra
 
 def test_min_reward_stops_the_remaining_steps(rootfs, tmp_path):
     from tbexp.agents.base import make_agent
-    from tbexp.policies import make_policy
-    from tbexp.rollout import run_episode
+    from tbexp.episodes.policies import make_policy
+    from tbexp.episodes.rollout import run_episode
 
     settings = compose_config("sandbox.command_timeout_s=10")
     task = load_task(_multistep(tmp_path / "gated", min_reward="min_reward = { style = 1.0 }"))  # step one has no style
@@ -359,3 +359,25 @@ def test_the_eval_stage_lists_unloadable_tasks_and_counts_them(rootfs, tmp_path,
         str(broken): f"{broken}/instruction.md: missing (the agent's instruction)"
     }
     assert json.loads((tmp_path / "summary.json").read_text())["tasks/unloadable"] == 1.0
+
+
+def test_a_loaded_task_is_cached_by_content_and_a_changed_file_is_read_again(tmp_path, monkeypatch):
+    from tbexp.tasks import harbor_task, model_cache
+
+    monkeypatch.setenv("TBEXP_CACHE", str(tmp_path / "cache"))
+    toml = '[verifier]\ntimeout_sec = 42.0\n[environment]\nmemory_mb = 700\nnetwork_mode = "allowlist"\n'
+    task_dir = _harbor_task(tmp_path / "t", toml)
+    first = load_task(task_dir)
+    assert len(list((tmp_path / "cache" / "task-models").glob("*.pkl"))) == 1
+    harbor_task._loaded.clear()  # as a new process: only the disk cache is left
+    monkeypatch.setattr(harbor_task, "_harbor_task", lambda *a: pytest.fail("Harbor's Task read a cached task again"))
+    again = load_task(task_dir)
+    assert again == first and isinstance(again.harbor_config, dict)  # Harbor's model is made on first use only
+    assert type(again.harbor).__name__ == "TaskConfig" and again.harbor.verifier.timeout_sec == 42.0
+    assert again.harbor.environment.model_fields_set == first.harbor.environment.model_fields_set
+    before = model_cache.directory_digest(task_dir)
+    (task_dir / "tests" / "test.sh").write_text("#!/bin/bash\necho 1 > /logs/verifier/reward.txt\n")
+    assert model_cache.directory_digest(task_dir) != before
+    harbor_task._loaded.clear()
+    with pytest.raises(pytest.fail.Exception, match="read a cached task again"):
+        load_task(task_dir)

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from tbexp.episodes.verifier import VerifierError, verify
 from tbexp.sandboxes import provision
 from tbexp.sandboxes.provision import ProvisionError, read_needs
 from tbexp.tasks import load_task
-from tbexp.verifier import VerifierError, verify
 from tests.conftest import compose_config, make_task
 
 BOOTSTRAP = """#!/bin/bash

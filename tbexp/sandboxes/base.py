@@ -2,15 +2,27 @@
 
 Five methods: `start`, `exec`, `upload`, `download`, `stop`. A sandbox is
 single-use: started once, used by one episode, stopped once. `exec` runs
-`bash -c command` as a fresh process in the sandbox's working directory; it
-never raises for what the command does (a time-out, too much output, a
-crash are all part of the `ExecResult`), only for a broken sandbox
-(`SandboxError`), which makes the episode invalid rather than failed.
+`bash -c command` as a fresh process in the sandbox's working directory, as
+the sandbox's current `user` (`as_user`, Harbor's `with_default_user`: the
+episode runs the agent as task.toml's `[agent] user` and test.sh as its
+`[verifier] user`; None is the image's USER); it never raises for what the
+command does (a time-out, too much output, a crash are all part of the
+`ExecResult`), only for a broken sandbox (`SandboxError`), which makes the
+episode invalid rather than failed.
+
+`task_limits` is the memory, disk and CPU a sandbox gets: the task's own
+`memory_mb` / `storage_mb` / `cpus` where task.toml names them, as Harbor's
+environments take them, else the `sandbox` node's.
+Nothing an `exec` starts outlives it, except through `start_daemon`: a
+command whose background processes (a tmux server, the shells in its panes
+and what they run) must live on until `stop`, as terminus-2's terminal does.
 """
 
 from __future__ import annotations
 
 import abc
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,10 +51,27 @@ class ExecResult:
     duration_s: float = 0.0
 
 
+@dataclass(frozen=True)
+class Limits:
+    memory_mb: int
+    disk_mb: int
+    cpus: float | None  # None: the node's `cpus` (Docker's quota; bwrap sets none)
+
+
+def task_limits(settings: Any, task: Task) -> Limits:
+    """The task's own limits where task.toml names them, else the `sandbox` node's."""
+    return Limits(
+        memory_mb=int(task.memory_mb or settings.memory_mb),
+        disk_mb=int(task.storage_mb or settings.disk_mb),
+        cpus=float(task.cpus) if task.cpus else None,
+    )
+
+
 class Sandbox(abc.ABC):
     """One episode's environment, built from a task's `environment/`."""
 
     provision: Any = None  # set at start: what provision.py bound in for the task's test.sh, or None
+    user: str | int | None = None  # whom `exec` runs as; None = the image's USER
 
     def __init__(self, settings: Any, task: Task):
         self.settings = settings  # the `sandbox` config node
@@ -59,6 +88,10 @@ class Sandbox(abc.ABC):
     @abc.abstractmethod
     def exec(self, command: str, timeout_s: float | None = None) -> ExecResult: ...
 
+    def start_daemon(self, command: str, timeout_s: float | None = None) -> ExecResult:
+        """Run `command` like `exec`, but what it leaves running lives on until `stop` (both sandboxes say how)."""
+        raise SandboxError(f"{type(self).__name__} cannot keep a process between commands (start_daemon)")
+
     @abc.abstractmethod
     def upload(self, local: Path, remote: str) -> None:
         """Copy a file or a directory's contents from the host to `remote` in the sandbox."""
@@ -70,6 +103,15 @@ class Sandbox(abc.ABC):
     @abc.abstractmethod
     def stop(self) -> None:
         """Release everything; safe to call twice or after a failed start."""
+
+    @contextlib.contextmanager
+    def as_user(self, user: str | int | None) -> Iterator["Sandbox"]:
+        """`exec` runs as `user` inside the block (None: the image's USER); an unknown user is a SandboxError."""
+        before, self.user = self.user, user
+        try:
+            yield self
+        finally:
+            self.user = before
 
     def __enter__(self) -> "Sandbox":
         self.start()

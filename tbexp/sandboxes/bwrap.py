@@ -12,10 +12,17 @@ network_mode is "public" shares the host's network where `sandbox.allow_network`
 lets it, every other has none. Every `exec` is a fresh `bwrap` with new user, PID, net,
 IPC and UTS namespaces (~10 ms), so a command cannot reach the host's
 loopback, see host processes, or outlive its exec: when the namespace's init
-exits, the kernel kills everything left in it. Process count and memory are
-capped by a cgroup of the sandbox's own. Shell state that a terminal would keep
+exits, the kernel kills everything left in it. Process count and memory (and
+CPU, where the task names its cpus) are capped by a cgroup of the sandbox's
+own, at the task's limits (base.task_limits); the tmpfs is the task's storage.
+An exec runs as the sandbox's current user (`as_user`: task.toml's agent or
+verifier user), looked up in the root's /etc/passwd. Shell state that a terminal would keep
 between commands (cwd, exported variables) is carried by the agents'
-`ShellSession`, not here.
+`ShellSession`, not here. The one exception is `start_daemon` (terminus-2's
+tmux server): its command runs in a bwrap of its own that stays up until
+`stop`, in a child of the sandbox's cgroup that the per-exec clean-up spares;
+later execs reach its processes only through the file system (the tmux
+socket in /tmp), as each exec keeps its own PID and network namespaces.
 """
 
 from __future__ import annotations
@@ -31,18 +38,26 @@ import uuid
 from pathlib import Path
 
 from tbexp.sandboxes import provision
-from tbexp.sandboxes.base import OUTPUT_LIMIT_EXIT, TIMEOUT_EXIT, ExecResult, Sandbox, SandboxError
+from tbexp.sandboxes.base import OUTPUT_LIMIT_EXIT, TIMEOUT_EXIT, ExecResult, Sandbox, SandboxError, task_limits
 from tbexp.sandboxes.cgroup import Cgroup, leftover_cgroups
+from tbexp.sandboxes.dockerfile import DockerfileError
+from tbexp.sandboxes.environment_build import user_ids
 from tbexp.sandboxes.environments import bwrap_environment
 
 WRITABLE = ("/app", "/tmp", "/root", "/logs", "/tests", "/solution")
 WORK_PARENT = Path(tempfile.gettempdir()) / "tbexp-sandboxes"
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _reaped = False
+# $1 = the command, $2 = a marker: the command's output, then "<marker> <exit code>", then the bwrap stays up.
+DAEMON_SCRIPT = (
+    'bash -c "$1" </dev/null 2>&1; rc=$?; printf "\\n%s %d\\n" "$2" "$rc"; '
+    "exec sleep infinity </dev/null >/dev/null 2>&1"
+)
 
 
 class BwrapSandbox(Sandbox):
     writable = WRITABLE  # the sandbox's own paths; a non-root USER's home joins them at start
+    keep_processes = False  # True (bwrap_session.py): what a command starts lives on until stop()
 
     @classmethod
     def prepare(cls, settings, task) -> None:
@@ -58,22 +73,28 @@ class BwrapSandbox(Sandbox):
         if not (self.rootfs / "usr/bin/python3").exists():
             raise SandboxError(f"sandbox.rootfs={self.rootfs} holds no root file system: run scripts/build_rootfs.sh")
         self.id = f"{os.getpid()}-{uuid.uuid4().hex[:10]}"
+        self.daemons: list[subprocess.Popen] = []  # start_daemon's bwraps, up until stop
         self.work = WORK_PARENT / self.id
         self.work.mkdir(parents=True)
-        self.mounted = _mount_tmpfs(self.work, s.disk_mb)
+        self.limits = task_limits(s, self.task)
+        self.mounted = _mount_tmpfs(self.work, self.limits.disk_mb)
+        self._users: dict[str | int | None, tuple[int, int, str]] = {None: (self.env.uid, self.env.gid, self.env.home)}
+        homes = [self.env.home] if self.env.uid else []
+        for user in (self.task.agent_user, self.task.verifier_user):  # task.toml's users: their homes are theirs
+            if user is not None:
+                uid, _, home = self._ids(user)
+                homes += [home] if uid else []
         self.writable = WRITABLE
-        home = os.path.normpath(self.env.home)
-        if (
-            self.env.uid
-            and (self.rootfs / home.lstrip("/")).is_dir()
-            and not any(home == w or home.startswith(w + "/") for w in WRITABLE)
-        ):
-            self.writable = (*WRITABLE, home)  # a USER's home is writable too, as in its container
+        for home in dict.fromkeys(os.path.normpath(h) for h in homes):
+            if (self.rootfs / home.lstrip("/")).is_dir() and not any(
+                home == w or home.startswith(w + "/") for w in self.writable
+            ):
+                self.writable = (*self.writable, home)  # a user's home is writable too, as in its container
         for path in self.writable:
             (self.work / path.lstrip("/")).mkdir(mode=0o755 if path != "/tmp" else 0o1777, parents=True)
             if self.env.seeded:
                 _seed(self.rootfs / path.lstrip("/"), self.work / path.lstrip("/"))
-        self.cgroup = Cgroup.create(self.id, s.pids_limit, s.memory_mb * 2**20)
+        self.cgroup = Cgroup.create(self.id, s.pids_limit, self.limits.memory_mb * 2**20, self.limits.cpus)
         workdir = self.env.workdir if self.env.workdir != "/" else self.task.workdir
         self.workdir = workdir
         for source, dest in self.env.copies:
@@ -85,17 +106,12 @@ class BwrapSandbox(Sandbox):
 
     def exec(self, command: str, timeout_s: float | None = None) -> ExecResult:
         timeout_s = self.settings.command_timeout_s if timeout_s is None else timeout_s
-        argv = [*self._join_cgroup(), *self._rlimits(), *self._bwrap_argv(), "bash", "-c", command]
+        argv = [*self._join_cgroup(), *self._rlimits(), *self._exec_argv(command)]
         started = time.monotonic()
-        try:
-            proc = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        except OSError as err:
-            raise SandboxError(f"cannot start bwrap: {err}") from err
+        proc = _spawn(argv)
         output, timed_out, truncated = _read_capped(proc, timeout_s, self.settings.output_limit_bytes, self._kill)
         code = proc.wait()
-        if self.cgroup:
+        if self.cgroup and not self.keep_processes:
             self.cgroup.kill_all()  # nothing may outlive its exec
         if code == 1 and output.startswith(b"bwrap:"):
             raise SandboxError(f"bwrap failed: {output.decode(errors='replace').strip()}")
@@ -106,6 +122,29 @@ class BwrapSandbox(Sandbox):
         elif code < 0:
             code = 128 - code  # killed by a signal, reported as a shell would
         return ExecResult(output.decode(errors="replace"), code, timed_out, truncated, time.monotonic() - started)
+
+    def start_daemon(self, command: str, timeout_s: float | None = None) -> ExecResult:
+        timeout_s = self.settings.command_timeout_s if timeout_s is None else timeout_s
+        marker = f"tbexp-daemon-{uuid.uuid4().hex}"
+        group = self.cgroup.child("daemons") if self.cgroup else None
+        argv = [*self._join_cgroup(group), *self._rlimits(), *self._bwrap_argv()]
+        argv += ["bash", "-c", DAEMON_SCRIPT, "tbexp-daemon", command, marker]
+        started = time.monotonic()
+        proc = _spawn(argv)
+        self.daemons.append(proc)
+        output, code = _read_until_marker(proc, marker.encode(), timeout_s, self.settings.output_limit_bytes)
+        if code is None and output.startswith(b"bwrap:"):
+            raise SandboxError(f"bwrap failed: {output.decode(errors='replace').strip()}")
+        timed_out = code is None
+        if timed_out:  # the command never finished: nothing of it is kept
+            _kill_daemon(proc, group)
+        return ExecResult(
+            output.decode(errors="replace"),
+            TIMEOUT_EXIT if timed_out else code,
+            timed_out,
+            False,
+            time.monotonic() - started,
+        )
 
     def upload(self, local: Path, remote: str) -> None:
         host = self._host_path(remote)
@@ -127,6 +166,8 @@ class BwrapSandbox(Sandbox):
             shutil.copyfile(host, local)
 
     def stop(self) -> None:
+        for proc in getattr(self, "daemons", []):
+            _kill_daemon(proc, None)  # the cgroup's removal below ends what they started
         if getattr(self, "cgroup", None):
             self.cgroup.remove()
             self.cgroup = None
@@ -135,7 +176,21 @@ class BwrapSandbox(Sandbox):
 
     # -- helpers --------------------------------------------------------------
 
+    def _exec_argv(self, command: str) -> list[str]:
+        """One exec: a fresh bwrap running `bash -c command`."""
+        return [*self._bwrap_argv(), "bash", "-c", command]
+
+    def _ids(self, user: str | int | None) -> tuple[int, int, str]:
+        """(uid, gid, home) of `user` in this sandbox's root (None: the image's USER)."""
+        if user not in self._users:
+            try:
+                self._users[user] = user_ids(self.rootfs, str(user), str(self.task.path / "task.toml"))
+            except DockerfileError as err:  # the task names a user its image lacks: not the agent's doing
+                raise SandboxError(str(err).replace("USER ", "user ", 1)) from err
+        return self._users[user]
+
     def _bwrap_argv(self) -> list[str]:
+        uid, gid, home = self._ids(self.user)
         argv = ["bwrap", "--ro-bind", str(self.rootfs), "/"]
         for path in self.writable:
             argv += ["--bind", str(self.work / path.lstrip("/")), path]
@@ -149,33 +204,34 @@ class BwrapSandbox(Sandbox):
             "--unshare-all",
             "--unshare-user",
             "--uid",
-            str(self.env.uid),
+            str(uid),
             "--gid",
-            str(self.env.gid),
+            str(gid),
         ]
         if self.task.network_mode == "public" and self.settings.allow_network:
             argv.append(
                 "--share-net"
             )  # the task allows the network; "allowlist" cannot be enforced here, so it has none
         argv += ["--die-with-parent", "--new-session", "--chdir", self.workdir, "--clearenv"]
-        env = {"PATH": PATH, "HOME": self.env.home, "LANG": "C.UTF-8", "TERM": "xterm", **self.env.env}
+        env = {"PATH": PATH, "HOME": home, "LANG": "C.UTF-8", "TERM": "xterm", **self.env.env}
         for key, value in env.items():
             argv += ["--setenv", key, value]
         return argv
 
-    def _join_cgroup(self) -> list[str]:
-        """A tiny shell prefix that moves itself into the sandbox's cgroup, then execs bwrap."""
-        if not self.cgroup:
+    def _join_cgroup(self, group: Cgroup | None = None) -> list[str]:
+        """A tiny shell prefix that moves itself into the sandbox's cgroup (or `group`), then execs bwrap."""
+        group = group or self.cgroup
+        if not group:
             return []
-        joins = "; ".join(f'echo $$ > "{f}"' for f in self.cgroup.procs_files)
+        joins = "; ".join(f'echo $$ > "{f}"' for f in group.procs_files)
         return ["sh", "-c", f'{joins}; exec "$@"', "sh"]
 
     def _rlimits(self) -> list[str]:
         """prlimit(1) prefix: the cgroup is the real limit; these bound one file and core dumps."""
-        disk = self.settings.disk_mb * 2**20
+        disk = self.limits.disk_mb * 2**20
         argv = ["prlimit", f"--fsize={disk}", "--core=0"]
         if not self.cgroup:  # no cgroup: fall back to per-process memory limits
-            argv.append(f"--as={self.settings.memory_mb * 2**20}")
+            argv.append(f"--as={self.limits.memory_mb * 2**20}")
         return [*argv, "--"]
 
     def _kill(self, proc: subprocess.Popen) -> None:
@@ -183,7 +239,7 @@ class BwrapSandbox(Sandbox):
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        if self.cgroup:
+        if self.cgroup and not self.keep_processes:
             self.cgroup.kill_all()
 
     def _host_path(self, remote: str) -> Path:
@@ -227,6 +283,43 @@ def _read_capped(proc: subprocess.Popen, timeout_s: float, limit: int, kill) -> 
                 break
     proc.stdout.close()
     return b"".join(chunks)[:limit], timed_out, truncated
+
+
+def _read_until_marker(proc: subprocess.Popen, marker: bytes, timeout_s: float, limit: int) -> tuple[bytes, int | None]:
+    """A daemon command's output up to "<marker> <code>" and that exit code; None for the code on time-out.
+
+    The pipe is closed once the marker is read: a daemon that kept it open gets EPIPE, never a host reader."""
+    data = b""
+    deadline = time.monotonic() + timeout_s
+    fd = proc.stdout.fileno()
+    with selectors.DefaultSelector() as sel:
+        sel.register(fd, selectors.EVENT_READ)
+        while (remaining := deadline - time.monotonic()) > 0:
+            if not sel.select(remaining):
+                continue
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break  # the bwrap ended before the marker: it failed to start
+            data = (data + chunk)[-(limit + len(marker) + 32) :]
+            head, found, tail = data.rpartition(b"\n" + marker + b" ")
+            if found and tail.endswith(b"\n") and tail.strip().lstrip(b"-").isdigit():
+                proc.stdout.close()
+                return head[:limit], int(tail)
+    proc.stdout.close()
+    return data[:limit], None
+
+
+def _kill_daemon(proc: subprocess.Popen, group: Cgroup | None) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    if group:
+        group.kill_all()
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        pass
 
 
 def _copy_in(local: Path, host: Path) -> None:
@@ -293,3 +386,13 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _spawn(argv: list[str]) -> subprocess.Popen:
+    """Start a bwrap (its own session, so a kill reaches its whole process group), output and errors in one pipe."""
+    try:
+        return subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    except OSError as err:
+        raise SandboxError(f"cannot start bwrap: {err}") from err

@@ -2,7 +2,9 @@
 
 `DockerSandbox.start` gets the task's image (built once per content,
 docker_images.py), guards this process's containers against its death, and
-starts a container with the task's limits (docker_containers.py). This module
+starts a container with the task's limits (base.task_limits, docker_containers.py);
+an exec runs as the sandbox's current user (`as_user`: task.toml's agent or
+verifier user, checked at start). This module
 holds the sandbox itself: running commands in the container and copying files
 in and out of it.
 
@@ -33,6 +35,11 @@ What is simplified:
   non-root `USER` it spares root processes the command started through sudo.
 * Execs in one sandbox are meant to run one at a time: each one's clean-up
   ends whatever else runs in the container, as bwrap's cgroup kill does.
+* `start_daemon` (terminus-2's tmux server) turns that clean-up off for the
+  rest of the sandbox's life: a container is one process space, so sparing
+  the daemon's processes means sparing what any exec leaves running, as in
+  Harbor's own containers. A time-out's or an output limit's kill still ends
+  everything, daemons included.
 """
 
 from __future__ import annotations
@@ -48,7 +55,7 @@ from pathlib import Path, PurePosixPath
 import docker
 
 from tbexp.sandboxes import provision
-from tbexp.sandboxes.base import OUTPUT_LIMIT_EXIT, TIMEOUT_EXIT, ExecResult, Sandbox, SandboxError
+from tbexp.sandboxes.base import OUTPUT_LIMIT_EXIT, TIMEOUT_EXIT, ExecResult, Sandbox, SandboxError, task_limits
 from tbexp.sandboxes.docker_containers import _container_options, _create_container, _guard_process
 from tbexp.sandboxes.docker_images import ENGINE_ERRORS, _client, _ensure_image
 
@@ -56,12 +63,12 @@ log = logging.getLogger(__name__)
 
 KILL_GRACE_S = 5.0  # after a kill, how long the stream may take to end
 STATUS_TAIL_BYTES = 256  # kept of the wrapper's stderr, whose last line is the exit code
-# $1 = the command, $2 = RLIMIT_FSIZE in KiB. stdout carries the command's output; the last line
+# $1 = the command, $2 = RLIMIT_FSIZE in KiB, $3 = "keep" once a daemon runs (no clean-up). stdout carries the command's output; the last line
 # of stderr is the exit code, written only after the clean-up.
 WRAPPER = r"""ulimit -f "$2" 2>/dev/null
 if command -v setsid >/dev/null; then setsid bash -c "$1" </dev/null 2>&1; else bash -c "$1" </dev/null 2>&1; fi
 code=$?
-kill -9 -1 2>/dev/null
+[ "$3" = keep ] || kill -9 -1 2>/dev/null
 printf '\n%d' "$code" >&2
 exit "$code"
 """
@@ -85,13 +92,15 @@ class DockerSandbox(Sandbox):
             image_env = {entry.partition("=")[0] for entry in config.get("Env") or []}
             env = {k: v for k, v in {"LANG": "C.UTF-8", "TERM": "xterm"}.items() if k not in image_env}
             network = self.task.network_mode == "public" and self.settings.allow_network  # else --network none
-            options = _container_options(self.settings, self.task.name, self.workdir, env, network)
+            self.limits = task_limits(self.settings, self.task)
+            options = _container_options(self.settings, self.task.name, self.workdir, env, network, self.limits)
             # What a TB2 test.sh would download (uv, its wheels), bound read-only: see provision.py.
             self.provision = provision.prepare(self.task)
             if self.provision:
                 options["host_config"]["binds"] = [f"{host}:{path}:ro" for host, path in self.provision.mounts]
             self.id = _create_container(self.api, image, options)
             self.api.start(self.id)
+            self._check_users()
             if self.provision:  # listed before the agent runs, so deleting an interpreter cannot make it "missing"
                 names = provision.interpreters_of_image(image, lambda: self.exec(provision.INTERPRETER_PROBE).output)
                 self.provision = self.provision.with_interpreters(names)
@@ -105,9 +114,11 @@ class DockerSandbox(Sandbox):
             raise SandboxError("exec on a sandbox that is not running (start() it first)")
         limit = self.settings.output_limit_bytes
         started = time.monotonic()
-        argv = ["bash", "-c", WRAPPER, "tbexp-exec", command, str(self.settings.disk_mb * 1024)]
+        keep = "keep" if getattr(self, "keep_processes", False) else ""
+        argv = ["bash", "-c", WRAPPER, "tbexp-exec", command, str(self.limits.disk_mb * 1024), keep]
+        user = "" if self.user is None else str(self.user)  # "" = the image's USER
         try:
-            exec_id = self.api.exec_create(self.id, argv, workdir=self.workdir)["Id"]
+            exec_id = self.api.exec_create(self.id, argv, workdir=self.workdir, user=user)["Id"]
             sock = self.api.exec_start(exec_id, socket=True)
         except ENGINE_ERRORS as err:
             raise SandboxError(f"cannot exec in container {self.id}: {err}") from err
@@ -130,6 +141,10 @@ class DockerSandbox(Sandbox):
         return ExecResult(
             output[:limit].decode(errors="replace"), code, timed_out, truncated, time.monotonic() - started
         )
+
+    def start_daemon(self, command: str, timeout_s: float | None = None) -> ExecResult:
+        self.keep_processes = True  # from now on no exec cleans up after itself (module docstring)
+        return self.exec(command, timeout_s)
 
     def upload(self, local: Path, remote: str) -> None:
         local = Path(local)
@@ -176,6 +191,17 @@ class DockerSandbox(Sandbox):
                 log.warning("could not remove container %s (it ends itself within max_lifetime_s): %s", cid[:12], err)
 
     # -- helpers --------------------------------------------------------------
+
+    def _check_users(self) -> None:
+        """task.toml's [agent] and [verifier] users exist in the image: else the task's fault, said at start."""
+        for user in dict.fromkeys(u for u in (self.task.agent_user, self.task.verifier_user) if u is not None):
+            with self.as_user(user):
+                result = self.exec("true", timeout_s=30)
+            if result.exit_code != 0:
+                raise SandboxError(
+                    f"{self.task.path / 'task.toml'}: user {user!r}: cannot run commands as it in {self.image} "
+                    f"(exit {result.exit_code}): {result.output.strip()[-300:]}"
+                )
 
     def _start_kill(self) -> str | None:
         """Start `kill -9 -1` as root (detached): every process in the container but PID 1 ends."""

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import docker
 
-from tbexp.sandboxes.base import SandboxError
+from tbexp.sandboxes.base import Limits, SandboxError
 from tbexp.sandboxes.docker_images import ENGINE_ERRORS
 
 log = logging.getLogger(__name__)
@@ -65,12 +65,17 @@ _watchdog: subprocess.Popen | None = None
 _storage_opt_ok: bool | None = None  # None until the engine has been asked
 
 
-def _container_options(settings, task_name: str, workdir: str, env: dict[str, str], network: bool = False) -> dict:
+def _container_options(
+    settings, task_name: str, workdir: str, env: dict[str, str], network: bool = False, limits: Limits | None = None
+) -> dict:
     """`create_container` arguments for one episode's container; `host_config` and `disk_mb` as plain values.
+
+    `limits`: the task's memory, disk and cpus (base.task_limits); None: the `sandbox` node's.
 
     `network`: the task allows it (network_mode "public"). The engine runs with no bridge, so that is the
     host's network; "allowlist" cannot be enforced here and gets none.
     """
+    limits = limits or Limits(int(settings.memory_mb), int(settings.disk_mb), None)
     safe_name = re.sub(r"[^a-zA-Z0-9_.-]+", "-", task_name).strip("-.")[:40] or "task"
     return dict(
         command=["bash", "-c", KEEPER.format(lifetime_s=max(1, int(settings.max_lifetime_s)))],
@@ -87,14 +92,14 @@ def _container_options(settings, task_name: str, workdir: str, env: dict[str, st
         network_disabled=not network,
         host_config=dict(
             network_mode="host" if network else "none",
-            nano_cpus=int(settings.cpus * 1e9),
-            mem_limit=f"{settings.memory_mb}m",
-            memswap_limit=f"{settings.memory_mb}m",
+            nano_cpus=int((limits.cpus or settings.cpus) * 1e9),
+            mem_limit=f"{limits.memory_mb}m",
+            memswap_limit=f"{limits.memory_mb}m",
             pids_limit=settings.pids_limit,
             ulimits=[docker.types.Ulimit(name="core", soft=0, hard=0)],
             auto_remove=True,
         ),
-        disk_mb=settings.disk_mb,
+        disk_mb=limits.disk_mb,
     )
 
 

@@ -17,7 +17,7 @@ Every environment built has tmux, python3 and bash (installed by apt-get where t
 Each distinct environment is built once per machine (a file lock serialises processes), looked up once per
 process; a failure is remembered for the process, so every later episode of that task fails at once with
 the same `EnvironmentBuildError`. `prepare_environments` builds them all up front and lists the tasks that
-cannot run. `<cache>` is `$TBEXP_CACHE` (default ~/.cache/tbexp); clearing `<cache>/environments/` forces
+cannot run. `<cache>` is `tbexp.cache.cache_root()` (the job's cache_dir); clearing `<cache>/environments/` forces
 rebuilds (debootstrap included).
 """
 

@@ -22,7 +22,7 @@ sandboxes have no network, so this module gives them, before test.sh runs:
   rather than after seconds of retries.
 
 Both folders are built once per uv version and requirement set under
-`$TBEXP_CACHE/provision/` (default ~/.cache/tbexp), with a file lock and a
+`<cache>/provision/` (`tbexp.cache.cache_root()`: the job's cache_dir), with a file lock and a
 rename so concurrent episodes build it once, and reused by every later
 episode without touching the network. A task opts out with
 `[verifier.env] TBEXP_PROVISION = "0"` in task.toml; a test.sh that never
@@ -143,14 +143,23 @@ class Needs:
     pythons: tuple[str, ...]
 
 
+def _test_scripts(task) -> list[Path]:
+    """Every test.sh the task's verifier may run: the task's, and each step's of a multi-step task."""
+    dirs = [task.tests_dir, *(d for step in getattr(task, "steps", []) for d in step.tests_dirs)]
+    return [d / "test.sh" for d in dict.fromkeys(dirs) if (d / "test.sh").is_file()]
+
+
 def prepare(task) -> Provision | None:
     """The provision for a task's tests (built on first use), or None when it needs or wants none.
 
     A test.sh that fetches something from the network besides the uv installer
     is refused here, before the agent runs: offline, its verdict could not be trusted.
     """
-    test_sh = task.tests_dir / "test.sh"
-    script = test_sh.read_text(errors="replace")
+    scripts = _test_scripts(task)
+    if not scripts:
+        return None  # nothing runs a test.sh here
+    test_sh = ", ".join(map(str, scripts))
+    script = "\n".join(path.read_text(errors="replace") for path in scripts)
     urls = network_fetches(script)
     if urls:
         raise ProvisionError(

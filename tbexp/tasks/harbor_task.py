@@ -3,8 +3,10 @@
 `load_task` hands a directory to `harbor.models.task.task.Task`, the class Harbor's Trial loads, so every
 `task.toml` schema Harbor reads loads here the same way: `[environment] docker_image`, the time-outs,
 `cpus` / `memory_mb` / `storage_mb` (and the legacy `memory = "2G"`), `network_mode` (and the legacy
-`allow_internet`), `[verifier]` env / user / environment_mode with a separate verifier environment
-(`tests/Dockerfile`), several named rewards, and multi-step tasks (`[[steps]]` with `steps/<name>/`).
+`allow_internet`), `[agent]` / `[verifier]` user, `[verifier]` env / environment_mode with a separate verifier
+environment (Harbor's own resolution: `tests/Dockerfile`, else a copy of the task's environment) and the
+`artifacts` handed to it, several named rewards, and multi-step tasks (`[[steps]]` with `steps/<name>/`).
+Loaded tasks are cached on disk by content (model_cache.py).
 A Terminal-Bench 1 directory (`task.yaml`) is first converted by Harbor's own mapper (`tbexp.tasks.migrate`).
 
 tbexp's `Task` keeps the values its episode loop reads as plain fields, the raw `task.toml` in `config`
@@ -31,6 +33,20 @@ class TaskError(TbexpError, ValueError):
 
 
 @dataclass(frozen=True)
+class VerifierEnvironment:
+    """Where a separate verifier runs (Harbor's `resolve_verifier_environment_definition`, read once at load)."""
+
+    directory: Path  # the build context: tests/ (holding the verifier's Dockerfile) or, without one, environment/
+    bundled_tests: bool  # the image holds the tests (tests/Dockerfile's `COPY . /tests/`): they are not uploaded
+    docker_image: str = ""  # a prebuilt verifier image; "" = build `directory`
+    network_mode: str = "no-network"
+    workdir: str = "/app"
+    cpus: float | None = None
+    memory_mb: int | None = None
+    storage_mb: int | None = None
+
+
+@dataclass(frozen=True)
 class TaskStep:
     """One step of a task: its instruction, and the files Harbor gives that step."""
 
@@ -43,6 +59,8 @@ class TaskStep:
     verifier_timeout_s: float = DEFAULT_TIMEOUT_S
     verifier_env: dict[str, str] = field(default_factory=dict)
     min_reward: float | dict[str, float] | None = None  # below it, the remaining steps are not run (Harbor's gate)
+    verifier_environment: VerifierEnvironment | None = None  # this step's separate verifier; None: shared
+    artifacts: tuple[str, ...] = ()  # what a separate verifier gets from the agent's sandbox (the step's own added)
 
     @property
     def setup_script(self) -> Path | None:
@@ -60,7 +78,9 @@ class Task:
     workdir: str = "/app"
     verifier_timeout_s: float = DEFAULT_TIMEOUT_S
     agent_timeout_s: float = DEFAULT_TIMEOUT_S
-    harbor: Any = field(default=None, repr=False)  # harbor.models.task.config.TaskConfig; None when built by hand
+    # Harbor's parsed TaskConfig (`harbor`), or its fields as JSON in a task unpickled from the cache (model_cache.py),
+    # made a TaskConfig on first use so that a cached load does not import Harbor's models; None when built by hand
+    harbor_config: Any = field(default=None, repr=False, compare=False)
     docker_image: str = ""  # a prebuilt image; "" = build environment/
     network_mode: str = "public"  # Harbor's values: public | no-network | allowlist (Harbor's default is public)
     cpus: float | None = None
@@ -68,12 +88,31 @@ class Task:
     storage_mb: int | None = None
     build_timeout_s: float = 600.0
     verifier_env: dict[str, str] = field(default_factory=dict, repr=False)  # as written; ${VAR} resolved at verify time
-    verifier_environment_dir: Path | None = None  # separate verifier mode: the folder of the verifier's Dockerfile
+    verifier_environment: VerifierEnvironment | None = None  # Harbor's separate verifier mode; None: shared
+    artifacts: tuple[str, ...] = ()  # task.toml's `artifacts` sources, handed to a separate verifier
+    agent_user: str | int | None = None  # [agent] user: the agent's commands run as it; None = the image's USER
+    verifier_user: str | int | None = None  # [verifier] user: test.sh runs as it; None = the image's USER
     steps: list[TaskStep] = field(default_factory=list, repr=False)  # in order; one for a single-step task
+    environment_path: Path | None = None  # the build context when not `path/environment` (a verifier's own)
 
     def __post_init__(self):
         if not self.steps:  # a Task built by hand (Harbor's environments do) is one step, as Harbor runs it
             object.__setattr__(self, "steps", [self._single_step()])
+
+    @property
+    def harbor(self) -> Any:
+        """harbor.models.task.config.TaskConfig of this task (None for a Task built by hand)."""
+        if isinstance(self.harbor_config, dict):
+            from harbor.models.task.config import TaskConfig
+
+            object.__setattr__(self, "harbor_config", TaskConfig.model_validate(self.harbor_config))
+        return self.harbor_config
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        if hasattr(self.harbor_config, "model_dump"):  # only the fields task.toml set, so model_fields_set survives
+            state["harbor_config"] = self.harbor_config.model_dump(mode="json", exclude_unset=True)
+        return state
 
     @property
     def metadata(self) -> dict:
@@ -89,7 +128,36 @@ class Task:
 
     @property
     def environment_dir(self) -> Path:
-        return self.path / "environment"
+        return self.environment_path or self.path / "environment"
+
+    @property
+    def verifier_environment_dir(self) -> Path | None:
+        """The folder of the verifier's own Dockerfile, when a separate verifier is built from one."""
+        ve = self.verifier_environment
+        return ve.directory if ve and ve.bundled_tests and not ve.docker_image else None
+
+    @property
+    def separate_verifier(self) -> VerifierEnvironment | None:
+        """The verifier's own environment (of the one step, for a step), or None where the verifier is shared."""
+        return self.steps[0].verifier_environment if len(self.steps) == 1 else self.verifier_environment
+
+    def for_verifier(self) -> Task:
+        """This task as its separate verifier's sandbox sees it: that environment, its limits, its network."""
+        ve = self.separate_verifier
+        if ve is None:
+            raise TaskError(f"{self.path / 'task.toml'}: the verifier is not separate (no verifier environment)")
+        return replace(
+            self,
+            environment_path=ve.directory,
+            docker_image=ve.docker_image,
+            network_mode=ve.network_mode,
+            workdir=ve.workdir,
+            cpus=ve.cpus,
+            memory_mb=ve.memory_mb,
+            storage_mb=ve.storage_mb,
+            verifier_environment=None,
+            steps=[replace(step, verifier_environment=None) for step in self.steps],
+        )
 
     @property
     def tests_dir(self) -> Path:
@@ -112,6 +180,8 @@ class Task:
             agent_timeout_s=step.agent_timeout_s,
             verifier_timeout_s=step.verifier_timeout_s,
             verifier_env=step.verifier_env,
+            verifier_environment=step.verifier_environment,
+            artifacts=step.artifacts,
             steps=[step],
         )
 
@@ -126,6 +196,8 @@ class Task:
             agent_timeout_s=self.agent_timeout_s,
             verifier_timeout_s=self.verifier_timeout_s,
             verifier_env=self.verifier_env,
+            verifier_environment=self.verifier_environment,
+            artifacts=self.artifacts,
         )
 
 
@@ -165,15 +237,22 @@ def load_task(path: str | Path, migrated_dir: Path | None = None) -> Task:
     toml_path = path / "task.toml"
     if not toml_path.is_file():
         raise TaskError(f"{toml_path}: missing (every Harbor task needs task.toml; a Terminal-Bench 1 task, task.yaml)")
-    # Harbor's checks walk the task's trees (~15 ms a task here); a stage loads the same set several times
+    # Harbor's checks walk the task's trees (~70 ms a task on a loaded machine): a stage loads the same set several
+    # times (memo by stamps), and each new process finds the loaded task cached on disk by content (model_cache.py)
     key = (path, *(_stamp(path / name) for name in ("task.toml", "instruction.md", "tests", "steps", "solution")))
     if key not in _loaded:
-        try:
-            config = tomllib.loads(toml_path.read_text())
-        except tomllib.TOMLDecodeError as err:
-            raise TaskError(f"{toml_path}: broken TOML: {err}") from err
-        _loaded[key] = _from_harbor(path, config, _harbor_task(path, config))
+        from tbexp.tasks.model_cache import cached_task
+
+        _loaded[key] = cached_task(path, lambda: _parse(path, toml_path))
     return _loaded[key]
+
+
+def _parse(path: Path, toml_path: Path) -> Task:
+    try:
+        config = tomllib.loads(toml_path.read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise TaskError(f"{toml_path}: broken TOML: {err}") from err
+    return _from_harbor(path, config, _harbor_task(path, config))
 
 
 def load_tasks(root: str | Path, migrated_dir: Path | None = None) -> TaskSet:
@@ -259,7 +338,7 @@ def _from_harbor(path: Path, config: dict, harbor_task: Any) -> Task:
         workdir=env.workdir or "/app",
         verifier_timeout_s=verifier_timeout_s,
         agent_timeout_s=agent_timeout_s,
-        harbor=cfg,
+        harbor_config=cfg,
         docker_image=env.docker_image or "",
         network_mode=env.network_mode.value,
         cpus=None if env.cpus is None else float(env.cpus),
@@ -267,7 +346,10 @@ def _from_harbor(path: Path, config: dict, harbor_task: Any) -> Task:
         storage_mb=env.storage_mb,
         build_timeout_s=float(env.build_timeout_sec),
         verifier_env=dict(cfg.verifier.env),
-        verifier_environment_dir=_verifier_environment_dir(harbor_task),
+        verifier_environment=_verifier_environment(harbor_task, None),
+        artifacts=_artifact_sources(cfg.artifacts),
+        agent_user=cfg.agent.user,
+        verifier_user=cfg.verifier.user,
         steps=steps,
     )
 
@@ -290,17 +372,35 @@ def _step(harbor_task: Any, step: Any, path: Path) -> TaskStep:
         verifier_timeout_s=_positive(step.verifier.timeout_sec, f"steps.{step.name}.verifier", path),
         verifier_env={**cfg.verifier.env, **step.verifier.env},
         min_reward=step.min_reward,
+        verifier_environment=_verifier_environment(harbor_task, step),
+        artifacts=_artifact_sources([*cfg.artifacts, *step.artifacts]),
     )
 
 
-def _verifier_environment_dir(harbor_task: Any) -> Path | None:
-    """The folder holding the verifier's own Dockerfile when Harbor runs it in a separate environment."""
+def _verifier_environment(harbor_task: Any, step: Any) -> VerifierEnvironment | None:
+    """Harbor's separate verifier environment of the task (or of one step), or None where the verifier is shared."""
     from harbor.models.task.verifier_mode import resolve_verifier_environment_definition
 
-    definition = resolve_verifier_environment_definition(harbor_task.config, harbor_task.paths)
-    if definition is None or not definition.bundled_tests or definition.config.docker_image:
+    definition = resolve_verifier_environment_definition(harbor_task.config, harbor_task.paths, step)
+    if definition is None:
         return None
-    return definition.directory
+    env = definition.config
+    return VerifierEnvironment(
+        directory=definition.directory,
+        bundled_tests=definition.bundled_tests,
+        docker_image=env.docker_image or "",
+        network_mode=env.network_mode.value,
+        workdir=env.workdir or harbor_task.config.environment.workdir or "/app",
+        cpus=None if env.cpus is None else float(env.cpus),
+        memory_mb=env.memory_mb,
+        storage_mb=env.storage_mb,
+    )
+
+
+def _artifact_sources(entries: list) -> tuple[str, ...]:
+    """The sources of task.toml's `artifacts` (a path, or a table with `source`), in order, once each."""
+    sources = [entry if isinstance(entry, str) else entry.source for entry in entries]
+    return tuple(dict.fromkeys(sources))
 
 
 def _positive(value: float | None, section: str, path: Path) -> float:

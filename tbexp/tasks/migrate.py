@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 
 def default_migrated_dir() -> Path:
-    """`$TBEXP_CACHE/migrated` (else ~/.cache/tbexp/migrated), beside the built-in suite's `tasks/`."""
+    """`<cache>/migrated` (`tbexp.cache.cache_root()`: the job's cache_dir), beside the built-in suite's `tasks/`."""
     return cache_root() / "migrated"
 
 
