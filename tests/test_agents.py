@@ -7,12 +7,12 @@ import json
 import pytest
 
 from tbexp.agents.base import Turn, make_agent
-from tbexp.policies import solution_turns
+from tbexp.episodes.policies import solution_turns
 from tbexp.sandboxes.base import ExecResult
 from tests.conftest import compose_config
 
 
-@pytest.fixture(params=["raw_command", "terminus_json"])
+@pytest.fixture(params=["raw_command", "terminus_shell", "terminus_json", "terminus_2"])
 def agent(request):
     return make_agent(compose_config(f"agent={request.param}").agent)
 
@@ -20,13 +20,14 @@ def agent(request):
 def test_format_then_parse_round_trips(agent):
     reply = agent.format(["grep -c ERROR app.log > /app/n.txt"], done=False)
     action = agent.parse(reply, [])
-    assert action.commands == ["grep -c ERROR app.log > /app/n.txt"] and not action.error and not action.done
+    typed = [c.removesuffix("\n") for c in action.commands]  # terminus_2 keeps the keystrokes' Enter
+    assert typed == ["grep -c ERROR app.log > /app/n.txt"] and not action.error and not action.done
 
 
 def test_done_needs_the_protocols_signal(agent):
     done = agent.format([], done=True)
     first = Turn(done, agent.parse(done, []))
-    if agent.settings.name == "terminus_json":
+    if agent.settings.name != "raw_command":
         assert not first.action.done  # terminus-2 asks to confirm once
         assert "Are you sure" in agent.observe(first)
         assert agent.parse(done, [first]).done
@@ -42,7 +43,7 @@ def test_garbage_is_a_parse_error_and_an_invalid_command(agent):
 
 
 def test_validity_excludes_126_and_127_only():
-    agent = make_agent(compose_config("agent=terminus_json").agent)
+    agent = make_agent(compose_config("agent=terminus_shell").agent)
     reply = json.dumps(
         {
             "analysis": "",

@@ -1,4 +1,4 @@
-"""Harbor's own trial runner on tbexp's sandboxes (tbexp.harbor_env).
+"""Harbor's own trial runner on tbexp's sandboxes (tbexp.sandboxes.harbor_env).
 
 .venv/bin/python -m pytest tests/test_harbor_interop.py -v
 
@@ -29,12 +29,12 @@ from harbor.models.trial.config import AgentConfig, EnvironmentConfig, TaskConfi
 from harbor.models.trial.paths import TrialPaths  # noqa: E402
 from harbor.trial.trial import Trial  # noqa: E402
 
-from tbexp.harbor_env import BwrapEnvironment  # noqa: E402
+from tbexp.sandboxes.harbor_env import BwrapEnvironment  # noqa: E402
 from tbexp.tasks.builtin import write_suite  # noqa: E402
 from tests.conftest import REPO, leftover_state  # noqa: E402
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.filterwarnings("ignore:Task.checksum:DeprecationWarning")]
-BWRAP = "tbexp.harbor_env:BwrapEnvironment"
+BWRAP = "tbexp.sandboxes.harbor_env:BwrapEnvironment"
 
 
 @pytest.fixture(scope="module")
@@ -146,14 +146,14 @@ def test_exec_maps_cwd_env_timeout_and_files(rootfs, heldout, tmp_path):
             await env.upload_dir(tmp_path / "up", "/tests")
             await env.exec("cp /tests/a.txt /logs/verifier/b.txt")
             await env.download_dir("/logs/verifier", tmp_path / "down")
-            with pytest.raises(RuntimeError, match="root only"):
-                await env.exec("id", user="nobody")
-            return here, moved, slow, logs
+            nobody = await env.exec("id -un", user="nobody")  # Harbor's [agent] / [verifier] user
+            return here, moved, slow, logs, nobody
         finally:
             await env.stop(delete=True)
 
-    here, moved, slow, logs = asyncio.run(scenario())
+    here, moved, slow, logs, nobody = asyncio.run(scenario())
     assert here.stdout.strip() == "/app" and here.return_code == 0
+    assert nobody.stdout.strip() == "nobody" and nobody.return_code == 0
     assert moved.stdout.split("\n")[:2] == ["/tmp", "hi there"] and moved.return_code == 3
     assert slow.return_code == 124
     assert logs.return_code == 0
@@ -178,7 +178,7 @@ def _start_docker(request) -> None:
 def test_oracle_and_nop_trials_in_docker(request, heldout, tmp_path):
     pytest.importorskip("tbexp.sandboxes.docker", reason="tbexp/sandboxes/docker.py is not there")
     _start_docker(request)
-    docker = "tbexp.harbor_env:DockerEnvironment"
+    docker = "tbexp.sandboxes.harbor_env:DockerEnvironment"
     for result in run_trials(heldout[:3], "oracle", tmp_path / "oracle", import_path=docker, concurrency=2):
         assert result.reward_valid and result.verifier_result.rewards == {"reward": 1.0}, _explain(result)
     for result in run_trials(heldout[:1], "nop", tmp_path / "nop", import_path=docker):

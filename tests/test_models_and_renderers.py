@@ -10,7 +10,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from tbexp.models import TINY_DIR, ModelLoadError, load_model
-from tbexp.renderers import RENDERERS, RendererError, make_renderer
+from tbexp.models.renderers import RENDERERS, RendererError, make_renderer
 from tests.conftest import CONF, compose_config
 
 MODEL_CONFIGS = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
