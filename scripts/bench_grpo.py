@@ -3,6 +3,7 @@
 
     .venv/bin/python scripts/bench_grpo.py                          # 4 steps from a short SFT of the tiny model
     .venv/bin/python scripts/bench_grpo.py --checkpoint PATH --steps 6
+    .venv/bin/python scripts/bench_grpo.py --compare --steps 3 grpo.group_size=8   # synchronous vs pipelined
 
 Runs the GRPO stage exactly as `+experiment=pipeline` configures it (groups of
 16 episodes, 4 groups a step, fresh bubblewrap sandboxes, the local backend)
@@ -20,6 +21,14 @@ sandboxes and tests. The aim: sandboxes and tests take at most a third of a
 step. Also the sandbox-seconds summed over concurrent episodes (`env`,
 `verify`) and the load average, since other work on the machine slows every
 phase. Not a test: the numbers are the output.
+
+With `--compare` it runs the same steps once per variant (`VARIANTS`: the
+synchronous loop, `grpo.max_off_policy_steps=1`, and that with the updates on one
+torch thread so the sampler keeps the other core), each from the same checkpoint
+on the same RL tasks, and prints per variant: the steps' wall time (the sum of
+`time/step`: in a pipelined run the wait for rollouts plus the update; checkpoint
+saves and the last step's held-out eval are outside it), episodes/s, steps/s and
+the held-out reward of the last step's eval.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 os.environ.setdefault("TQDM_DISABLE", "1")
@@ -43,6 +53,7 @@ def main() -> None:
         "--checkpoint", default="", help="start GRPO from this checkpoint (default: a cached 100-step SFT)"
     )
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--compare", action="store_true", help="run every variant of VARIANTS and compare them")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides, e.g. grpo.concurrency=16")
     args = parser.parse_args()
 
@@ -72,12 +83,61 @@ def main() -> None:
         tasks = job.tasks("rl")
     else:  # the RL tasks this checkpoint solves sometimes, as the pipeline picks them
         tasks = grpo.kept_tasks(job, filter_stage.select_for_rl(job, run / "filter", checkpoint).path)
-    grpo.train(job, checkpoint, tasks, run)
+    if not args.compare:
+        grpo.train(job, checkpoint, tasks, run)
+        _print_steps(job.cfg, run)
+        return
+    rows = []
+    for name, variant in VARIANTS.items():
+        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+            one = Job(compose("config", overrides=["+experiment=pipeline", *bench, *args.overrides, *variant]))
+        one.models = job.models  # one model load for all
+        clock = time.perf_counter()
+        grpo.train(one, checkpoint, tasks, run / name)
+        rows.append(_totals(name, one.cfg, run / name, time.perf_counter() - clock))
+    print(f"\nGRPO from {checkpoint}, {args.steps} steps, load average {os.getloadavg()[0]:.1f}")
+    print(f"{'variant':<22} {'steps s':>8} {'ep/s':>6} {'steps/s':>8} {'x sync':>7} {'train() s':>9} {'held-out':>9}")
+    for r in rows:
+        print(
+            f"{r['variant']:<22} {r['steps_s']:8.1f} {r['episodes_s']:6.2f} {r['steps_per_s']:8.3f} "
+            f"{r['episodes_s'] / rows[0]['episodes_s']:7.2f} {r['train_s']:9.1f} {r['heldout_reward']:9.3f}"
+        )
+    print(json.dumps(rows))
+
+
+# name -> the overrides beside the benchmark's own; the first is the baseline
+VARIANTS = {
+    "synchronous": [],
+    "pipelined": ["grpo.max_off_policy_steps=1"],
+    "pipelined, train 1 thread": ["grpo.max_off_policy_steps=1", "backend.train_threads=1"],
+}
+
+
+def _totals(name: str, cfg, run: Path, train_s: float) -> dict:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "time/step" in r]
+    steps_s = sum(r["time/step"] for r in steps)
+    episodes = sum(r.get("rollout/episodes", r["rollout/groups"] * cfg.grpo.group_size) for r in steps)
+    heldout = [r["heldout/reward"] for r in rows if "heldout/reward" in r]
+    return {
+        "variant": name,
+        "steps": len(steps),
+        "steps_s": steps_s,
+        "episodes": episodes,
+        "episodes_s": episodes / steps_s,
+        "steps_per_s": len(steps) / steps_s,
+        "train_s": train_s,
+        "heldout_reward": heldout[-1] if heldout else float("nan"),
+    }
+
+
+def _print_steps(cfg, run: Path) -> None:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "time/step" in r]
     episodes = cfg.grpo.groups_per_step * cfg.grpo.group_size
     print(
-        f"\nGRPO from {checkpoint}: {cfg.grpo.groups_per_step} groups x {cfg.grpo.group_size} episodes a step, concurrency {cfg.grpo.concurrency}, load average {os.getloadavg()[0]:.1f}"
+        f"\nGRPO: {cfg.grpo.groups_per_step} groups x {cfg.grpo.group_size} episodes a step, "
+        f"concurrency {cfg.grpo.concurrency}, load average {os.getloadavg()[0]:.1f}"
     )
     print(
         f"{'step':>4} {'s/step':>7} {'ep/s':>6} {'sample':>7} {'sandbox':>8} {'train':>6}   {'env sum':>8} {'verify sum':>10} {'reward':>7}"

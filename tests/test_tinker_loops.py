@@ -12,6 +12,7 @@ they would against the service.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,6 +23,7 @@ from tinker import types
 from tests.conftest import collect_oracle, compose_config, compose_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.sandbox]
+TINKER_POLICY = ("backend=tinker", "model.lora_rank=8", "model.logit_scale=false", "policy=model")
 
 
 class Later:
@@ -41,7 +43,7 @@ class StandInTraining:
         from tbexp.models import load_model
 
         model, tokenizer = load_model(compose_config().model, device="cpu")
-        self.service, self.log = service, service.log
+        self.service, self.log, self.rank = service, service.log, rank
         self.local = LocalBackend(
             model,
             tokenizer,
@@ -103,6 +105,22 @@ class StandInTraining:
     def save_weights_and_get_sampling_client(self):
         return Later(self.log, "sampling_client", lambda: _sampling_client(self.log, self.local.sampler()))
 
+    def save_weights_external(self, name, ttl_seconds=None):
+        """The weights as the service exports them: a LoRA adapter under Tinker's names, its config rank and alpha."""
+        from safetensors.torch import save_file
+
+        self.log.append(f"save_weights_external {name}")
+        folder = self.service.store / "external" / name
+        folder.mkdir(parents=True, exist_ok=True)
+        lora = {n.replace(".default", ""): p.detach().clone() for n, p in self.local._params.items() if "lora_" in n}
+        save_file(lora, folder / "adapter_model.safetensors")
+        (folder / "adapter_config.json").write_text(json.dumps({"r": self.rank, "lora_alpha": self.rank}))
+        return Later(
+            self.log,
+            "save_weights_external",
+            lambda: SimpleNamespace(path=f"tinker://stand-in/external_weights/{name}"),
+        )
+
 
 def _sampling_client(log, sampler):
     """A SamplingClient's methods over a local sampler."""
@@ -138,8 +156,8 @@ class StandInService:
 
     def local_path(self, uri: str) -> str:
         kind, name = uri.removeprefix("tinker://stand-in/").split("/")
-        assert kind in ("weights", "sampler_weights"), uri
-        return str(self.store / name)
+        assert kind in ("weights", "sampler_weights", "external_weights"), uri
+        return str(self.store / "external" / name if kind == "external_weights" else self.store / name)
 
     def create_sampling_client(self, model_path=None, base_model=None):
         """Sampling only, as the service does it: no training client, no optimizer."""
@@ -156,6 +174,36 @@ class StandInService:
 
     def create_training_client_from_state_with_optimizer(self, uri):
         raise AssertionError("the stages build a fresh client and load_state into it")
+
+    def create_training_client_from_state(self, uri):
+        """Weights only (what an export starts from)."""
+        self.log.append(f"create_training_client_from_state {uri}")
+
+        def client():
+            training = StandInTraining(self, 8, 0)
+            training.local.load_weights(self.local_path(uri))
+            return training
+
+        return Later(self.log, "create", client)
+
+    def create_rest_client(self):
+        return StandInRest(self)
+
+
+class StandInRest:
+    """A RestClient's external-weights calls; the signed URLs are file:// URLs into the stand-in's store."""
+
+    def __init__(self, service):
+        self.service, self.log = service, service.log
+
+    def get_external_weights_urls(self, uri):
+        folder = Path(self.service.local_path(uri))
+        urls = {p.name: p.resolve().as_uri() for p in sorted(folder.iterdir())}
+        return Later(self.log, "external_weights_urls", lambda: SimpleNamespace(urls=urls, expires=None))
+
+    def delete_checkpoint_from_tinker_path(self, uri):
+        self.log.append(f"delete {uri}")
+        return Later(self.log, "delete", lambda: shutil.rmtree(self.service.local_path(uri)))
 
 
 @pytest.fixture
@@ -188,6 +236,10 @@ def test_sft_runs_unchanged_on_tinker_with_pipelined_steps_and_uri_checkpoints(r
         "tinker://stand-in/weights/step-00004",
     ]
     assert result.checkpoint.startswith("tinker://")
+    # The chosen checkpoint, downloaded and converted (tests/test_adapters.py checks what it computes).
+    assert result.summary()["sft/adapter"] == str(tmp_path / "sft" / "adapter")
+    assert (tmp_path / "sft" / "adapter" / "adapter_config.json").is_file()
+    assert f"create_training_client_from_state {result.checkpoint}" in tinker_service.log
     log = tinker_service.log
     first = log.index("submit forward_backward cross_entropy")
     assert log[first : first + 4] == [
@@ -207,10 +259,7 @@ def test_grpo_runs_unchanged_on_tinker_from_a_tinker_checkpoint(rootfs, tmp_path
     start = make_backend(cfg, tmp_path / "unused").save_state("start")
     overrides = [
         "stage=grpo",
-        "backend=tinker",
-        "model.lora_rank=8",
-        "model.logit_scale=false",
-        "policy=model",
+        *TINKER_POLICY,
         f"load_checkpoint={start}",
         "tasks.limit=2",
         "tasks.families=[file-move]",
@@ -236,3 +285,75 @@ def test_grpo_runs_unchanged_on_tinker_from_a_tinker_checkpoint(rootfs, tmp_path
     assert sum(line.startswith("create ") for line in tinker_service.log) == 2  # the start's (above) and GRPO's
     rows = [json.loads(line) for line in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()]
     assert any("rollout/reward_mean" in r for r in rows) and any("heldout/reward" in r for r in rows)
+
+
+def test_pipelined_grpo_samples_the_next_step_while_the_service_trains(rootfs, tmp_path, tinker_service, monkeypatch):
+    """grpo.max_off_policy_steps=1 on Tinker: while the service works on step 0's forward_backward (made to take
+    until a sample request arrives, or 60 s), the next step's rollouts send their sample requests. In the
+    synchronous loop none would arrive: the rollouts wait for the update."""
+    import threading
+    import time
+
+    from tbexp.stages import grpo
+
+    sampled = threading.Event()
+    real_client = _sampling_client
+
+    def signalling_client(log, sampler):
+        client = real_client(log, sampler)
+        real_sample = client.sample
+
+        def sample(prompt, num_samples, sampling_params):
+            sampled.set()
+            return real_sample(prompt, num_samples, sampling_params)
+
+        client.sample = sample
+        return client
+
+    monkeypatch.setattr(f"{__name__}._sampling_client", signalling_client)
+    waits = []
+    real_forward_backward = StandInTraining.forward_backward
+
+    def slow_forward_backward(self, data, loss_fn, loss_fn_config=None):
+        sampled.clear()
+        future = real_forward_backward(self, data, loss_fn, loss_fn_config)
+        work = future.work
+
+        def after_a_sample():
+            clock = time.perf_counter()
+            # the first update has the next step's rollouts beside it; the last has none, so it need not wait long
+            waits.append((sampled.wait(60 if not waits else 1), time.perf_counter() - clock))
+            return work()
+
+        future.work = after_a_sample
+        return future
+
+    monkeypatch.setattr(StandInTraining, "forward_backward", slow_forward_backward)
+    # Rewards that always spread (a group's runs score 0, 1, ...), so every step updates, whatever the samples.
+    monkeypatch.setattr(grpo, "score_episodes", lambda episodes, _: {id(ep): float(ep.run) for ep in episodes})
+    overrides = [
+        "stage=grpo",
+        *TINKER_POLICY,
+        "task_filter=none",
+        "tasks.limit=2",
+        "tasks.families=[file-move]",
+        "reward=per_test",
+        "grpo.steps=2",
+        "grpo.groups_per_step=2",
+        "grpo.group_size=2",
+        "grpo.updates_per_step=1",
+        "grpo.eval_at_start=false",
+        "grpo.eval_n_runs=1",
+        "grpo.temperature=1.5",
+        "grpo.max_off_policy_steps=1",
+        "sampling.max_tokens=24",
+        "agent.max_turns=2",
+    ]
+    job = compose_job(*overrides)
+    grpo.train(job, "", job.tasks("rl"), tmp_path / "grpo")
+    rows = [json.loads(line) for line in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "rollout/reward_mean" in r]
+    assert [r["rollout/off_policy_steps"] for r in steps] == [0.0, 1.0]
+    assert len(waits) == 2
+    # step 0's update overlapped step 1's rollouts; step 1's (the last) had nothing left to sample beside it
+    assert waits[0][0], f"no sample request reached the service during step 0's forward_backward ({waits})"
