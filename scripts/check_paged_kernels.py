@@ -59,9 +59,9 @@ def main() -> int:
         lens = torch.tensor([1, 16, 17, 50, 128], device=dev, dtype=torch.int32)
         q = torch.randn(n, hkv * group, d, device=dev, dtype=dt)
         want = ref["attention"](q, kc, vc, table, lens, d**-0.5)
-        for splits in (1, 3, 8):
-            results[f"paged_attention group={group} splits={splits}"] = rel(
-                tri["attention"](q, kc, vc, table, lens, d**-0.5, splits), want
+        for splits, chunk in ((1, 1), (3, 1), (8, 1), (1, 2), (3, 2), (2, 4)):
+            results[f"paged_attention group={group} splits={splits} pages a step={chunk}"] = rel(
+                tri["attention"](q, kc, vc, table, lens, d**-0.5, splits, {"CHUNK": chunk}), want
             )
     gu = torch.randn(n, 2 * 1100, device=dev, dtype=dt)
     results["silu_mul"] = rel(tri["silu_mul"](gu), ref["silu_mul"](gu))

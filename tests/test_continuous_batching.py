@@ -289,7 +289,7 @@ def test_stop_strings_checked_while_the_next_step_runs_end_each_row_where_alone_
 
 def test_model_policy_episodes_submit_to_the_running_batch_only_when_asked(tmp_path):
     from tbexp.backends.batch_sampling import BatchQueue
-    from tbexp.policies import ModelRuntime
+    from tbexp.episodes.policies import ModelRuntime
 
     b = trained_backend(tmp_path, continuous_batching=True)
     runtime = ModelRuntime(b.sampler(), renderer=None, params=None)

@@ -13,10 +13,12 @@ iteration of the loop (`ContinuousBatcher._iterate`):
    pass over every admitted prompt's new tokens);
 2. runs one decode step over all live rows (one token each), padded up to the
    next batch-size bucket, replaying that bucket's CUDA graph on a GPU;
-3. samples every row, appends, checks stops, and frees the rows that finished;
-   stop strings (a batched decode of each row's tail) are checked while the
-   device runs the next step, and a row found stopped then drops that step's
-   token, so the host's decoding overlaps the device's work.
+3. samples every row, appends, checks stops, and frees the rows that finished.
+   Steps 2 and 3 run one step ahead: the device's inputs for step t+1 are
+   the tokens it sampled at step t, so step t+1 is queued before the host
+   reads step t's tokens and the host's work (appending, stop tokens and a
+   batched decode of each row's tail for stop strings) overlaps the device's;
+   a row that ends at step t drops its step t+1 token.
 
 KV cache: pages of `page_tokens` tokens in one pool per layer (see
 paged_kernels.py for the layout); a sequence holds a block table of pages,
@@ -322,8 +324,9 @@ class ContinuousBatcher:
         self._cond = threading.Condition()
         self._waiting: list[_Sequence] = []
         self._driving = False
-        self._pending_strings: list[_Sequence] = []  # rows whose newest token's stop strings are not checked yet
-        self._host_buffer: torch.Tensor | None = None  # pinned: the device-to-host copy of each step's picks
+        self._varlen = _varlen_attention() if on_gpu else None
+        self._inputs_stale = True  # the rows changed since the device's step inputs were written
+        self._host_buffers: list[torch.Tensor] = []  # pinned, two: the device-to-host copies of steps' picks
         self.first_token_s: list[float] = []  # time to first token of each finished request, submit to sample
         self.stats = {
             "prefill_tokens": 0,
@@ -415,7 +418,7 @@ class ContinuousBatcher:
             self._prefill(admitted)
             self._retire()  # a reply can end at its first token
         if self.rows:
-            self._decode()
+            self._decode_run()
             self._retire()
 
     def _admit(self) -> list[_Sequence]:
@@ -496,9 +499,37 @@ class ContinuousBatcher:
         slots_N = torch.tensor(slots, dtype=torch.long, device=dev)
         page_tables = [torch.tensor(pages, dtype=torch.long, device=dev) for *_, pages in spans]
 
+        # Prompts with nothing cached attend to their own tokens only: on a GPU, one packed varlen (flash) call per
+        # layer over all of them, their K/V read back from the slots just written; the rest, one SDPA call each.
+        fresh = [i for i, (_, n, length, _) in enumerate(spans) if n == length] if self._varlen else []
+        if len(fresh) > 1:
+            rows_T = torch.cat([torch.arange(spans[i][0], spans[i][0] + spans[i][1], device=dev) for i in fresh])
+            slots_T = slots_N[rows_T]
+            pages_T, offsets_T = slots_T // self.page_tokens, slots_T % self.page_tokens
+            cu = torch.tensor(np.cumsum([0] + [spans[i][1] for i in fresh]), dtype=torch.int32, device=dev)
+            longest = max(spans[i][1] for i in fresh)
+        else:
+            fresh = []
+        packed = set(fresh)
+        others = [i for i in range(len(spans)) if i not in packed]
+
         def attend(layer: int, q_N_H_d: torch.Tensor) -> torch.Tensor:
+            if not fresh:
+                return attend_each(layer, q_N_H_d, range(len(spans)))
+            k = self.k_cache[layer][pages_T, :, offsets_T]  # [T, KV heads, d]
+            v = self.v_cache[layer][pages_T, :, offsets_T]
+            packed = self._varlen(q_N_H_d[rows_T], k, v, cu, longest, self.weights.scale)
+            if not others:  # every prompt is fresh: rows_T is 0..N-1
+                return packed.reshape(len(rows_T), -1)
+            out = torch.empty(q_N_H_d.shape[0], q_N_H_d.shape[1] * q_N_H_d.shape[2], dtype=q_N_H_d.dtype, device=dev)
+            out[rows_T] = packed.reshape(len(rows_T), -1)
+            for i, o in zip(others, attend_each(layer, q_N_H_d, others, cat=False)):
+                out[spans[i][0] : spans[i][0] + spans[i][1]] = o
+            return out
+
+        def attend_each(layer: int, q_N_H_d: torch.Tensor, which, cat: bool = True):
             outs = []
-            for (start, n, length, _), pages in zip(spans, page_tables):
+            for (start, n, length, _), pages in ((spans[i], page_tables[i]) for i in which):
                 k = gather_pages(self.k_cache[layer], pages, length)
                 v = gather_pages(self.v_cache[layer], pages, length)
                 # 4-D inputs: SDPA's fused kernels take nothing else (3-D ones run its slow math kernel).
@@ -518,7 +549,7 @@ class ContinuousBatcher:
                         q, k, v, attn_mask=mask, scale=self.weights.scale
                     )
                 outs.append(o[0].transpose(0, 1).reshape(n, -1))
-            return torch.cat(outs)
+            return torch.cat(outs) if cat else outs
 
         last = torch.tensor([start + n - 1 for start, n, *_ in spans], device=dev)
         began = time.perf_counter()
@@ -531,32 +562,96 @@ class ContinuousBatcher:
         self._sample_and_append(seqs, logits)
         self.stats["prefill_s"] += time.perf_counter() - began
 
-    def _decode(self) -> None:
-        """One token for every live row: one forward over the bucket, graph-replayed on a GPU."""
+    def _decode_run(self) -> None:
+        """Decode steps over the current rows until a row ends or a waiting request can join.
+
+        One step is always queued ahead: step t+1 is launched, its inputs advanced on the device from step t's
+        samples (`_advance`), before the host reads step t's tokens, so the host's work (appending, stop tokens
+        and strings, the next launch) overlaps the device's. When step t ends a row, step t+1's token for that
+        row is dropped (its K/V goes to a slot inside the row's reservation and is never read); the other rows
+        keep theirs. The tokens are the ones a step-by-step loop samples: the same inputs, seeds and counters.
+        """
         start = time.perf_counter()
-        n = len(self.rows)
-        bucket = next((b for b in BUCKETS if b >= n), n) if self.cuda_graphs else n
-        host = np.zeros((4, bucket), dtype=np.int64)
-        host[2] = SCRATCH_PAGE * self.page_tokens  # padding rows: scratch slot, length 1
-        host[3] = 1
-        samp = np.zeros((2, bucket), dtype=np.int64)
-        temps = np.zeros(bucket, dtype=np.float32)
-        for r, seq in enumerate(self.rows):
-            position = len(seq.request.prompt) + len(seq.tokens) - 1  # the newest token is fed now
-            host[:, r] = (seq.tokens[-1], position, self._slot(seq, position), position + 1)
-            samp[:, r] = (seq.seed, len(seq.tokens))
-            temps[r] = seq.request.params.temperature
-        self.step_inputs[:, :bucket].copy_(torch.from_numpy(host), non_blocking=False)
-        self.sample_inputs[:, :bucket].copy_(torch.from_numpy(samp))
-        self.temperatures[:bucket].copy_(torch.from_numpy(temps))
-        with torch.no_grad():
-            logits = self._decode_logits(bucket)
-        for seq in self.rows:
-            seq.written += 1
-        self.stats["decode_steps"] += 1
-        self.stats["decode_rows"] += n
-        self._sample_and_append(list(self.rows), logits[:n], rows=slice(0, n))
+        rows = list(self.rows)
+        ahead = self._launch(rows)
+        while True:
+            current = ahead
+            ahead = None if self._admission_due() else self._launch(rows)
+            if self._consume(rows, current) or ahead is None:
+                break
+        if ahead is not None:
+            self._consume(rows, ahead)
         self.stats["decode_s"] += time.perf_counter() - start
+
+    def _launch(self, rows: list[_Sequence]):
+        """Queue one decode step and its sampling over `rows`; returns the wait for its (tokens, logprobs)."""
+        n = len(rows)
+        bucket = next((b for b in BUCKETS if b >= n), n) if self.cuda_graphs else n
+        if self._inputs_stale:  # the rows changed: the host writes every row's inputs
+            host = np.zeros((4, bucket), dtype=np.int64)
+            host[2] = SCRATCH_PAGE * self.page_tokens  # padding rows: scratch slot, length 1
+            host[3] = 1
+            samp = np.zeros((2, bucket), dtype=np.int64)
+            temps = np.zeros(bucket, dtype=np.float32)
+            for r, seq in enumerate(rows):
+                position = len(seq.request.prompt) + len(seq.tokens) - 1  # the newest token is fed now
+                host[:, r] = (seq.tokens[-1], position, self._slot(seq, position), position + 1)
+                samp[:, r] = (seq.seed, len(seq.tokens))
+                temps[r] = seq.request.params.temperature
+            self.step_inputs[:, :bucket].copy_(torch.from_numpy(host))
+            self.sample_inputs[:, :bucket].copy_(torch.from_numpy(samp))
+            self.temperatures[:bucket].copy_(torch.from_numpy(temps))
+            self._inputs_stale = False
+        with torch.no_grad():
+            logits_B_V = self._decode_logits(bucket)[:n]
+            tokens_B, logp_B = self._sample(
+                rows, logits_B_V, self.temperatures[:n], self.sample_inputs[0, :n], self.sample_inputs[1, :n]
+            )
+            self._advance(n, tokens_B)
+            return self._to_host(torch.stack([tokens_B.double(), logp_B.double()]))
+
+    def _advance(self, n: int, tokens_B: torch.Tensor) -> None:
+        """The next step's inputs of the `n` live rows, on the device: feed the sampled token one position on."""
+        token, position, slot, length = self.step_inputs[:, :n]
+        token.copy_(tokens_B)
+        position += 1
+        length += 1
+        # A row one step past its end (its token is dropped) may point past its pages: the scratch page is there.
+        page = (position // self.page_tokens).clamp_(max=self.max_pages_per_seq - 1)
+        slot.copy_(self.block_tables[:n].gather(1, page[:, None]).squeeze(1) * self.page_tokens)
+        slot += position % self.page_tokens
+        self.sample_inputs[1, :n] += 1
+
+    def _consume(self, rows: list[_Sequence], wait) -> bool:
+        """Append a step's tokens to the rows still going and check their stops; True if a row ended."""
+        waited = time.perf_counter()
+        picked, logps = wait()  # the step's one sync
+        now = time.perf_counter()
+        self.stats["device_wait_s"] += now - waited
+        self.stats["decode_steps"] += 1
+        self.stats["decode_rows"] += len(rows)
+        going = [seq for seq in rows if seq.done is None]
+        for b, seq in enumerate(rows):
+            if seq.done is None:
+                seq.written += 1
+                self._append(seq, int(picked[b]), float(logps[b]), now)
+        self._check_strings([s for s in going if s.stops.strings and s.done != "stop"])  # outranks the length
+        return any(seq.done is not None for seq in rows)
+
+    def _admission_due(self) -> bool:
+        """A waiting request could join now (rows and pages free, same weights), so decoding should pause for it.
+
+        Counts the pages a request needs without the prefix cache (hashing its prompt every step would cost
+        more): a request that fits only by sharing cached pages joins when a row ends instead.
+        """
+        with self._cond:
+            if not self._waiting or len(self.rows) >= self.max_batch:
+                return False
+            seq = self._waiting[0]
+        if seq.snapshot is not self.snapshot:
+            return False  # other weights: it waits until the batch drains anyway
+        need = -(-(len(seq.request.prompt) + seq.limit) // self.page_tokens)
+        return need <= self.pool.available()
 
     def _decode_logits(self, bucket: int) -> torch.Tensor:
         if not self.cuda_graphs:
@@ -626,49 +721,37 @@ class ContinuousBatcher:
     def _logits(self, hidden_N_D: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(hidden_N_D, self.weights.head).float()
 
-    def _sample_and_append(self, seqs: list[_Sequence], logits_B_V: torch.Tensor, rows: slice | None = None) -> None:
-        """Sample every row and append; with `rows` (a decode step), stop strings of the rows that go on are
-        checked while the device runs the next step (`_pending_strings`), and a row found stopped then drops
-        that step's token."""
+    def _sample_and_append(self, seqs: list[_Sequence], logits_B_V: torch.Tensor) -> None:
+        """Sample each prefilled sequence's first token and append it (decode steps: `_launch`, `_consume`)."""
         dev = self.device
-        if rows is not None:
-            temps, seeds, steps = self.temperatures[rows], self.sample_inputs[0, rows], self.sample_inputs[1, rows]
-        else:
-            temps = torch.tensor([s.request.params.temperature for s in seqs], dtype=torch.float32, device=dev)
-            seeds = torch.tensor([s.seed for s in seqs], dtype=torch.long, device=dev)
-            steps = torch.tensor([len(s.tokens) for s in seqs], dtype=torch.long, device=dev)
+        temps = torch.tensor([s.request.params.temperature for s in seqs], dtype=torch.float32, device=dev)
+        seeds = torch.tensor([s.seed for s in seqs], dtype=torch.long, device=dev)
+        steps = torch.tensor([len(s.tokens) for s in seqs], dtype=torch.long, device=dev)
+        tokens_B, logp_B = self._sample(seqs, logits_B_V, temps, seeds, steps)
+        waited = time.perf_counter()
+        picked, logps = self._to_host(torch.stack([tokens_B.double(), logp_B.double()]))()
+        now = time.perf_counter()
+        self.stats["device_wait_s"] += now - waited
+        for b, seq in enumerate(seqs):
+            self._append(seq, int(picked[b]), float(logps[b]), now)
+        self._check_strings([s for s in seqs if s.stops.strings and s.done != "stop"])
+
+    def _sample(self, seqs: list[_Sequence], logits_B_V, temps_B, seeds_B, steps_B):
+        """(tokens, logprobs) of one draw per row; rows with top-k/top-p draw from their filtered logits."""
         filtered = None
         if any(_filters(s.request.params) for s in seqs):
             filtered = torch.stack([_filtered_row(logits_B_V[b], s.request.params) for b, s in enumerate(seqs)])
-        tokens_B, logp_B = self.ops["sample"](logits_B_V, temps, seeds, steps, filtered)
-        ready = self._to_host(torch.stack([tokens_B.double(), logp_B.double()]))
-        if rows is not None:  # the device is busy with this step: decode the previous step's tails meanwhile
-            self._check_strings(self._pending_strings)
-            self._pending_strings = []
-        waited = time.perf_counter()
-        picked, logps = ready()  # the step's one sync
-        now = time.perf_counter()
-        self.stats["device_wait_s"] += now - waited
-        appended = []
-        for b, seq in enumerate(seqs):
-            if seq.done is not None:  # stopped by a string found while this step ran: its token is dropped
-                continue
-            token = int(picked[b])
-            seq.tokens.append(token)
-            seq.logprobs.append(float(logps[b]))
-            appended.append(seq)
-            if seq.first_token_s is None:
-                seq.first_token_s = now
-            if token in seq.stops.token_ids:
-                seq.done = "stop"
-            elif len(seq.tokens) >= seq.limit:
-                seq.done = "length"
-        strings = [s for s in appended if s.stops.strings and s.done != "stop"]
-        if rows is None:
-            self._check_strings(strings)
-        else:  # rows that end here are decided now (a stop string outranks the length); the others next step
-            self._check_strings([s for s in strings if s.done is not None])
-            self._pending_strings = [s for s in strings if s.done is None]
+        return self.ops["sample"](logits_B_V, temps_B, seeds_B, steps_B, filtered)
+
+    def _append(self, seq: _Sequence, token: int, logprob: float, now: float) -> None:
+        seq.tokens.append(token)
+        seq.logprobs.append(logprob)
+        if seq.first_token_s is None:
+            seq.first_token_s = now
+        if token in seq.stops.token_ids:
+            seq.done = "stop"
+        elif len(seq.tokens) >= seq.limit:
+            seq.done = "length"
 
     def _check_strings(self, seqs: list[_Sequence]) -> None:
         if seqs:  # one batched decode of every row's tail instead of one call per row
@@ -682,11 +765,13 @@ class ContinuousBatcher:
         if not values.is_cuda:
             return values.numpy
         n = values.shape[1]
-        if self._host_buffer is None or self._host_buffer.shape[1] < n:
-            self._host_buffer = torch.empty(
-                values.shape[0], max(n, self.max_batch), dtype=values.dtype, pin_memory=True
-            )
-        view = self._host_buffer[:, :n]
+        if not self._host_buffers or self._host_buffers[0].shape[1] < n:
+            self._host_buffers = [
+                torch.empty(values.shape[0], max(n, self.max_batch), dtype=values.dtype, pin_memory=True)
+                for _ in range(2)
+            ]
+        self._host_buffers.reverse()  # two steps are in flight at most: each copies into its own buffer
+        view = self._host_buffers[0][:, :n]
         view.copy_(values, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
@@ -700,6 +785,7 @@ class ContinuousBatcher:
     def _add_row(self, seq: _Sequence) -> None:
         row = len(self.rows)
         self.rows.append(seq)
+        self._inputs_stale = True
         table = torch.full((self.max_pages_per_seq,), SCRATCH_PAGE, dtype=torch.int32)
         table[: len(seq.pages)] = torch.tensor(seq.pages, dtype=torch.int32)
         self.block_tables[row].copy_(table)
@@ -713,6 +799,7 @@ class ContinuousBatcher:
                 r += 1
                 continue
             last = self.rows.pop()
+            self._inputs_stale = True
             if last is not seq:
                 self.rows[r] = last
                 self.block_tables[r].copy_(self.block_tables[len(self.rows)])
@@ -746,8 +833,9 @@ class ContinuousBatcher:
 
 def _splits(programs: int, max_pages: int) -> int:
     """Split-K factor for the attention kernel: ~8 programs per SM of an H100/H200 (132 SMs), so that page loads
-    overlap (one program walks its pages one after another)."""
-    return max(1, min(16, -(-1056 // programs), max_pages))
+    overlap (one program walks its pages one after another); rounded, as measured best at 16, 64 and 256 rows
+    (scripts/tune_paged_attention.py: 8, 2 and 1 splits)."""
+    return max(1, min(16, round(1056 / programs), max_pages))
 
 
 def _filters(params) -> bool:
@@ -768,3 +856,35 @@ def _rope_tables(lm, length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     with torch.no_grad():
         cos, sin = rotary(probe, torch.arange(length, device=device)[None])
     return cos[0].float().contiguous(), sin[0].float().contiguous()
+
+
+def _varlen_attention():
+    """Causal attention over packed sequences through torch's flash varlen kernel, or None where torch has none.
+
+    `attend(q_T_H_d, k_T_K_d, v_T_K_d, cu_seq, longest, scale) -> [T, H, d]`. The function's keywords changed
+    across torch releases (`is_causal` in 2.10; `window_size`, `scale`, `enable_gqa` later): read them from its
+    signature, and do by hand what a release lacks (scale the queries, repeat the KV heads).
+    """
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    import inspect
+
+    keywords = inspect.signature(varlen_attn).parameters
+    causal = {"window_size": (-1, 0)} if "window_size" in keywords else {"is_causal": True}
+
+    def attend(q, k, v, cu_seq, longest: int, scale: float):
+        extra = dict(causal)
+        if "scale" in keywords:
+            extra["scale"] = scale
+        else:  # its scale is 1/sqrt(d)
+            q = q * (scale * q.shape[-1] ** 0.5)
+        if "enable_gqa" in keywords:
+            extra["enable_gqa"] = True
+        elif k.shape[1] != q.shape[1]:
+            group = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        return varlen_attn(q, k, v, cu_seq, cu_seq, longest, longest, **extra)
+
+    return attend

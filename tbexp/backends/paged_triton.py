@@ -95,34 +95,39 @@ def paged_attn_kernel(
     GROUP_PAD: tl.constexpr,
     HEAD_D: tl.constexpr,
     PAGE: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
+    # One program: one sequence, one KV head, one split of its pages, walked CHUNK pages (CHUNK·PAGE tokens) an
+    # iteration: each token's page comes from the block table, so a tile spans several scattered pages.
     n = tl.program_id(0)
     kh = tl.program_id(1)
     split = tl.program_id(2)
     length = tl.load(lens_ptr + n)
-    pages = tl.cdiv(length, PAGE)
-    per_split = tl.cdiv(pages, SPLITS)
-    p0 = split * per_split
-    p1 = tl.minimum(p0 + per_split, pages)
+    chunks = tl.cdiv(length, PAGE * CHUNK)
+    per_split = tl.cdiv(chunks, SPLITS)
+    c0 = split * per_split
+    c1 = tl.minimum(c0 + per_split, chunks)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_D)
-    t = tl.arange(0, PAGE)
+    t = tl.arange(0, PAGE * CHUNK)
     heads = kh * GROUP + g
     q = tl.load(q_ptr + (n * HQ + heads)[:, None] * HEAD_D + d[None, :], mask=(g < GROUP)[:, None], other=0.0)
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_D], tl.float32)
-    for p in range(p0, p1):
-        page = tl.load(bt_ptr + n * bt_stride + p).to(tl.int64)
-        tile = (page * HKV + kh) * PAGE * HEAD_D + t[:, None] * HEAD_D + d[None, :]
-        k = tl.load(kc_ptr + tile)
+    for c in range(c0, c1):
+        token = c * PAGE * CHUNK + t
+        live = token < length
+        page = tl.load(bt_ptr + n * bt_stride + token // PAGE, mask=live, other=0).to(tl.int64)
+        tile = ((page * HKV + kh) * PAGE + token % PAGE)[:, None] * HEAD_D + d[None, :]
+        k = tl.load(kc_ptr + tile, mask=live[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k)) * scale
-        s = tl.where((p * PAGE + t)[None, :] < length, s, float("-inf"))
+        s = tl.where(live[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp(m - m_new)
         prob = tl.exp(s - m_new[:, None])
         l = l * alpha + tl.sum(prob, axis=1)
-        v = tl.load(vc_ptr + tile)
+        v = tl.load(vc_ptr + tile, mask=live[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v)
         m = m_new
     keep = g < GROUP
