@@ -18,10 +18,18 @@ import pytest
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
-def run_script(name: str, *args: str, timeout_s: float) -> tuple[subprocess.CompletedProcess | None, str]:
-    """(the finished script or None, why it failed or '')."""
+def run_script(
+    name: str, *args: str, timeout_s: float, env: dict[str, str] | None = None
+) -> tuple[subprocess.CompletedProcess | None, str]:
+    """(the finished script or None, why it failed or ''); `env` is added to this process's environment."""
     try:
-        done = subprocess.run(["bash", str(SCRIPTS / name), *args], capture_output=True, text=True, timeout=timeout_s)
+        done = subprocess.run(
+            ["bash", str(SCRIPTS / name), *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env={**os.environ, **(env or {})},
+        )
     except subprocess.TimeoutExpired:
         return None, f"scripts/{name} took more than {timeout_s} s"
     if done.returncode != 0:
