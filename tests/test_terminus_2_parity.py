@@ -7,13 +7,13 @@ a control key that interrupts a running command (`C-c`), a parse error, a reply 
 `task_complete` that is withdrawn, and the double confirmation that ends the episode; in JSON and in XML.
 
 Timing. The pane is read after each command's `duration` has passed, so its contents depend on the command
-having finished by then. Every command here finishes in milliseconds and is given at least 0.3 s (the sandbox's
-execs, ~0.1 s each, come on top), and the one long command (`sleep 30`) is interrupted before it could print
-anything, so what each pane capture shows is fixed. One read is not bounded by a duration: the first, made
-right after the tmux session starts, may come before bash has drawn its prompt. Both agents then show an empty
-screen where the other could show `root@...# `; the test allows exactly that difference in the first message
-(and what follows from it: nothing, since the next capture's new output is the whole buffer either way) and
-nowhere else.
+having finished by then. Every command here finishes in milliseconds and is given 1 s (the sandbox's execs, ~0.1
+s each, come on top; 0.3 s once fell short on a machine busy with a whole test suite's image builds), and the
+one long command (`sleep 30`) is interrupted before it could print anything, so what each pane capture shows is
+fixed. One read is not bounded by a duration: the first, made right after the tmux session starts, may come
+before bash has drawn its prompt. Both agents then show an empty screen where the other could show `root@...# `;
+the test allows exactly that difference in the first message (and what follows from it: nothing, since the next
+capture's new output is the whole buffer either way) and nowhere else.
 """
 
 from __future__ import annotations
@@ -63,17 +63,20 @@ def _xml(commands: list[tuple[str, float]], done: bool = False, extra: str = "")
     )
 
 
+WAIT_S = 1.0  # each command's `duration`: milliseconds of work, with room for a machine under load
+
+
 def script(parser: str) -> list[str]:
     reply = _json if parser == "json" else _xml
     return [
-        reply([("ls -la /app\n", 0.3), ("cat input.txt\n", 0.3)]),
-        reply([("sleep 30\n", 0.3), ("C-c", 0.3)]),  # a control key, sent as tmux's key name
+        reply([("ls -la /app\n", WAIT_S), ("cat input.txt\n", WAIT_S)]),
+        reply([("sleep 30\n", WAIT_S), ("C-c", WAIT_S)]),  # a control key, sent as tmux's key name
         "this is not a reply in either format",  # a parse error: nothing runs
-        reply([("echo done > /app/out.txt\n", 0.3)], extra="Here is my answer:\n"),  # a warning: text before it
-        reply([("cat out.txt\n", 0.3)], done=True),  # a first completion: asked to confirm
-        reply([("wc -c out.txt\n", 0.3)]),  # withdrawn: the next completion must be confirmed again
+        reply([("echo done > /app/out.txt\n", WAIT_S)], extra="Here is my answer:\n"),  # a warning: text before it
+        reply([("cat out.txt\n", WAIT_S)], done=True),  # a first completion: asked to confirm
+        reply([("wc -c out.txt\n", WAIT_S)]),  # withdrawn: the next completion must be confirmed again
         reply([], done=True),
-        reply([("pwd\n", 0.3)], done=True),  # confirmed: runs, then the episode ends
+        reply([("pwd\n", WAIT_S)], done=True),  # confirmed: runs, then the episode ends
     ]
 
 
@@ -161,13 +164,24 @@ def _first_screen_unbounded(messages: list[list[dict]]) -> list[list[dict]]:
     return out
 
 
+def _first_difference(ours: list[list[dict]], theirs: list[list[dict]]) -> str:
+    """Where the two agents' messages first differ (after the first screen's allowance), both sides in full."""
+    for i, (a, b) in enumerate(zip(_first_screen_unbounded(ours), _first_screen_unbounded(theirs))):
+        for j, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                return f"conversation {i}, message {j}:\n--- tbexp\n{x['content']}\n--- Harbor\n{y['content']}"
+        if len(a) != len(b):
+            return f"conversation {i}: tbexp sent {len(a)} messages, Harbor {len(b)}"
+    return "the conversations differ in number"
+
+
 @pytest.mark.parametrize("parser", ["json", "xml"])
 def test_every_message_matches_harbors_terminus_2(parser, rootfs, tmp_path):
     task_dir = make_task(tmp_path / "tasks")
     theirs = harbor_messages(task_dir, parser, rootfs, tmp_path)
     ours, episode = tbexp_messages(task_dir, parser)
     assert len(theirs) == len(ours) == len(script(parser))
-    assert _first_screen_unbounded(ours) == _first_screen_unbounded(theirs)
+    assert _first_screen_unbounded(ours) == _first_screen_unbounded(theirs), _first_difference(ours, theirs)
     if [c[0] for c in ours] == [c[0] for c in theirs]:  # usually byte for byte from the first message too
         assert ours == theirs
     # what the messages say happened did happen, and the episode ended as Harbor's did
