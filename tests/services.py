@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -45,3 +46,10 @@ def skip_or_fail(what: str, reason: str, require_env: str) -> None:
     if os.environ.get(require_env) == "1":
         pytest.fail(f"{what} required ({require_env}=1) but unavailable: {reason}")
     pytest.skip(f"{what} unavailable: {reason}")
+
+
+def build_stand_ins(*images: str, timeout_s: float) -> None:
+    """The local stand-ins of published base images (scripts/build_base_images.sh), or skip (fail) saying why."""
+    env = {"PYTHON": os.environ.get("PYTHON", sys.executable)}  # the interpreter that has tbexp
+    _, reason = run_script("build_base_images.sh", *images, timeout_s=timeout_s, env=env)
+    skip_or_fail("local stand-in base images", reason, "TBEXP_REQUIRE_DOCKER")

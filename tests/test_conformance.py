@@ -196,14 +196,13 @@ def _stand_ins_needed(task_dirs: list[Path]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def docker_results(request, tmp_path_factory):
-    from tests.services import run_script, skip_or_fail
+    from tests.services import build_stand_ins
 
     request.getfixturevalue("docker_engine")  # starts the engine and builds the base image, or skips saying why
     # A fresh engine holds none of the published images the suite starts FROM, and no registry can give them:
     # their local stand-ins are built first (once per engine), as a user of the suite does.
     if images := _stand_ins_needed(_selected(request, "test_oracle_and_nop_in_docker")):
-        _, reason = run_script("build_base_images.sh", *images, env={"PYTHON": sys.executable}, timeout_s=1800)
-        skip_or_fail("local stand-in base images", reason, "TBEXP_REQUIRE_DOCKER")
+        build_stand_ins(*images, timeout_s=1800)
     return _run(request, "test_oracle_and_nop_in_docker", "docker", tmp_path_factory.mktemp("conformance-docker"))
 
 

@@ -9,8 +9,6 @@ published base images (scripts/build_base_images.sh), and skip saying why where 
 from __future__ import annotations
 
 import io
-import os
-import sys
 import tarfile
 import uuid
 from pathlib import Path
@@ -221,11 +219,9 @@ def test_prebuilt_docker_image_runs_on_its_stand_in_without_docker(tmp_path, bwr
 
 @pytest.fixture
 def stand_ins(docker_engine):
-    from tests.services import run_script, skip_or_fail
+    from tests.services import build_stand_ins
 
-    os.environ.setdefault("PYTHON", sys.executable)
-    _, reason = run_script("build_base_images.sh", "python:3.11-slim-bookworm", "debian:bookworm-slim", timeout_s=1200)
-    skip_or_fail("local stand-in base images", reason, "TBEXP_REQUIRE_DOCKER")
+    build_stand_ins("python:3.11-slim-bookworm", "debian:bookworm-slim", timeout_s=1200)
     return docker_engine
 
 
