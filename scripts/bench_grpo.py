@@ -63,7 +63,6 @@ def main() -> None:
 
     register()
     from tbexp.job import Job
-    from tbexp.stages import filter as filter_stage
     from tbexp.stages import grpo
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
@@ -79,10 +78,7 @@ def main() -> None:
 
     run = Path(tempfile.mkdtemp(prefix="bench-grpo-"))
     # The stage always scores its last step on the held-out tasks; that eval is not part of any step's time.
-    if job.cfg.task_filter.name == "none":
-        tasks = job.tasks("rl")
-    else:  # the RL tasks this checkpoint solves sometimes, as the pipeline picks them
-        tasks = grpo.kept_tasks(job, filter_stage.select_for_rl(job, run / "filter", checkpoint).path)
+    tasks = grpo.rl_tasks(job, checkpoint, run)  # grpo.tasks_file, else the filter's pick, as the pipeline's
     if not args.compare:
         grpo.train(job, checkpoint, tasks, run)
         _print_steps(job.cfg, run)
