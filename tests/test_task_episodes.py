@@ -96,6 +96,28 @@ def test_a_separate_verifier_without_its_own_dockerfile_is_a_fresh_copy_of_the_e
     assert not episode.invalid and episode.report.strict and episode.report.n_total == 2, episode.invalid
 
 
+def test_a_directory_artifacts_exclude_patterns_leave_out_what_they_match(settings, tmp_path):
+    tests = """
+        from pathlib import Path
+        def test_kept():
+            assert Path("/app/out/keep.txt").read_text().strip() == "kept"
+            assert Path("/app/out/sub/deep.txt").read_text().strip() == "deep"
+        def test_left_out():
+            assert not Path("/app/out/scratch.tmp").exists() and not Path("/app/out/sub/other.tmp").exists()
+            assert not Path("/app/out/cache").exists()
+    """
+    solution = (
+        "mkdir -p /app/out/sub /app/out/cache && echo kept > /app/out/keep.txt && echo deep > /app/out/sub/deep.txt\n"
+        "echo x > /app/out/scratch.tmp && echo x > /app/out/sub/other.tmp && echo x > /app/out/cache/blob\n"
+    )
+    task_dir = make_task(tmp_path, tests=tests, solution=solution)
+    artifact = 'artifacts = [{ source = "/app/out", exclude = ["*.tmp", "cache"] }]'
+    _toml(task_dir, artifact, verifier='environment_mode = "separate"')
+    assert load_task(task_dir).artifact_excludes == (("/app/out", ("*.tmp", "cache")),)
+    episode = _episode(task_dir, settings)
+    assert not episode.invalid and episode.report.strict and episode.report.n_total == 2, episode.report.log_tail
+
+
 def test_the_agent_and_the_verifier_run_as_their_task_users(settings, tmp_path):
     tests = """
         import os, pwd

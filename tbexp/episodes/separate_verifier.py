@@ -7,19 +7,22 @@ Dockerfile, limits and network), and gets from the agent's sandbox exactly what 
 (`harbor.trial.artifact_handler.ArtifactHandler`): the *artifacts*, i.e. Harbor's convention directory
 `/logs/artifacts` and every `artifacts` source task.toml names (a step's own added), each downloaded from the
 agent's sandbox, sanitised as Harbor does (`copy_via_tar`: no setuid bits, no special files, no symlink that
-leads out) and uploaded to the same path in the verifier's sandbox. Nothing else crosses: not the working
+leads out) and uploaded to the same path in the verifier's sandbox. A directory artifact's `exclude` patterns
+leave out what they match, as Harbor's `tar --exclude` does (`excluded`). Nothing else crosses: not the working
 directory, not `/logs/agent`. Where the verifier's Dockerfile is `tests/Dockerfile`, its build context is
 `tests/` and its `COPY . /tests/` puts the tests in the image, so they are not uploaded (Harbor's
 `skip_tests_upload`); a separate verifier without a Dockerfile of its own is a fresh copy of the task's
 environment, and gets the tests uploaded as a shared one does. `/logs/verifier` is read back either way.
 
 Simplified: the agent's sandbox is stopped after the verifier's, not before it as in Harbor (one episode then
-holds two sandboxes for the verifier's run); an artifact's `exclude` patterns are not applied; in a bwrap
+holds two sandboxes for the verifier's run); in a bwrap
 sandbox an artifact can only land under its writable paths (/app, /tmp, /root, /logs, /tests, /solution).
 """
 
 from __future__ import annotations
 
+import fnmatch
+import os
 import posixpath
 import shlex
 import shutil
@@ -64,18 +67,51 @@ def collect_artifacts(sandbox: Sandbox, task: Task, staging: Path) -> list[tuple
     from harbor.environments.tar_transfer import copy_via_tar
 
     handed = []
+    artifacts = task.steps[0] if len(task.steps) == 1 else task
+    excludes = {posixpath.normpath(posixpath.join(sandbox.workdir, s)): p for s, p in artifacts.artifact_excludes}
     for index, source in enumerate(artifact_sources(task, sandbox.workdir)):
         raw = staging / "raw" / str(index) / (posixpath.basename(source) or "root")
         try:
             sandbox.download(source, raw)
         except FileNotFoundError:
             continue
+        if raw.is_dir() and excludes.get(source):  # Harbor applies `exclude` to directories only
+            remove_excluded(raw, excludes[source])
         clean = staging / "clean" / str(index)
         copy_via_tar(raw, clean)  # Harbor's own sanitiser; what it refuses is left out
         if (clean / raw.name).exists():
             handed.append((clean / raw.name, source))
         shutil.rmtree(raw.parent, ignore_errors=True)
     return handed
+
+
+def excluded(name: str, patterns: Sequence[str]) -> bool:
+    """Whether GNU tar's `--exclude=PATTERN` (its defaults: unanchored, `*` matching `/`) leaves out member `name`.
+
+    Harbor packs a directory artifact with `tar -C SOURCE . --exclude=...`, so members are named `./a/b`; a
+    pattern matches the whole name or any part of it that starts after a `/`.
+
+    >>> [excluded(n, ["*.pyc", "cache", "logs/*"]) for n in ["./a/b.pyc", "./x/cache", "./logs/1", "./logs", "./k"]]
+    [True, True, True, False, False]
+    """
+    parts = name.split("/")
+    tails = ["/".join(parts[i:]) for i in range(len(parts))]
+    return any(fnmatch.fnmatchcase(tail, pattern) for tail in tails for pattern in patterns)
+
+
+def remove_excluded(root: Path, patterns: Sequence[str]) -> None:
+    """Delete what `patterns` exclude under the downloaded directory `root` (an excluded directory with its contents)."""
+    for parent, dirs, files in os.walk(root):
+        rel = Path(parent).relative_to(root).as_posix()
+        prefix = "." if rel == "." else f"./{rel}"
+        for name in list(dirs):
+            if excluded(f"{prefix}/{name}", patterns):
+                dirs.remove(name)
+                path = Path(parent, name)
+                path.unlink() if path.is_symlink() else shutil.rmtree(path)
+        for name in files:
+            if excluded(f"{prefix}/{name}", patterns):
+                Path(parent, name).unlink()
 
 
 def verify_separately(

@@ -61,6 +61,7 @@ class TaskStep:
     min_reward: float | dict[str, float] | None = None  # below it, the remaining steps are not run (Harbor's gate)
     verifier_environment: VerifierEnvironment | None = None  # this step's separate verifier; None: shared
     artifacts: tuple[str, ...] = ()  # what a separate verifier gets from the agent's sandbox (the step's own added)
+    artifact_excludes: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (source, its `exclude` patterns), where set
 
     @property
     def setup_script(self) -> Path | None:
@@ -90,6 +91,7 @@ class Task:
     verifier_env: dict[str, str] = field(default_factory=dict, repr=False)  # as written; ${VAR} resolved at verify time
     verifier_environment: VerifierEnvironment | None = None  # Harbor's separate verifier mode; None: shared
     artifacts: tuple[str, ...] = ()  # task.toml's `artifacts` sources, handed to a separate verifier
+    artifact_excludes: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (source, its `exclude` patterns), where set
     agent_user: str | int | None = None  # [agent] user: the agent's commands run as it; None = the image's USER
     verifier_user: str | int | None = None  # [verifier] user: test.sh runs as it; None = the image's USER
     steps: list[TaskStep] = field(default_factory=list, repr=False)  # in order; one for a single-step task
@@ -182,6 +184,7 @@ class Task:
             verifier_env=step.verifier_env,
             verifier_environment=step.verifier_environment,
             artifacts=step.artifacts,
+            artifact_excludes=step.artifact_excludes,
             steps=[step],
         )
 
@@ -198,6 +201,7 @@ class Task:
             verifier_env=self.verifier_env,
             verifier_environment=self.verifier_environment,
             artifacts=self.artifacts,
+            artifact_excludes=self.artifact_excludes,
         )
 
 
@@ -348,6 +352,7 @@ def _from_harbor(path: Path, config: dict, harbor_task: Any) -> Task:
         verifier_env=dict(cfg.verifier.env),
         verifier_environment=_verifier_environment(harbor_task, None),
         artifacts=_artifact_sources(cfg.artifacts),
+        artifact_excludes=_artifact_excludes(cfg.artifacts),
         agent_user=cfg.agent.user,
         verifier_user=cfg.verifier.user,
         steps=steps,
@@ -374,6 +379,7 @@ def _step(harbor_task: Any, step: Any, path: Path) -> TaskStep:
         min_reward=step.min_reward,
         verifier_environment=_verifier_environment(harbor_task, step),
         artifacts=_artifact_sources([*cfg.artifacts, *step.artifacts]),
+        artifact_excludes=_artifact_excludes([*cfg.artifacts, *step.artifacts]),
     )
 
 
@@ -401,6 +407,15 @@ def _artifact_sources(entries: list) -> tuple[str, ...]:
     """The sources of task.toml's `artifacts` (a path, or a table with `source`), in order, once each."""
     sources = [entry if isinstance(entry, str) else entry.source for entry in entries]
     return tuple(dict.fromkeys(sources))
+
+
+def _artifact_excludes(entries: list) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """(source, exclude patterns) of the `artifacts` tables that name some; the first entry of a source wins."""
+    excludes: dict[str, tuple[str, ...]] = {}
+    for entry in entries:
+        if not isinstance(entry, str) and entry.exclude:
+            excludes.setdefault(entry.source, tuple(entry.exclude))
+    return tuple(excludes.items())
 
 
 def _positive(value: float | None, section: str, path: Path) -> float:

@@ -26,7 +26,7 @@ from typing import Any
 
 from tbexp.cache import cache_root
 
-LOADER_VERSION = "1"  # bump when what load_task makes of a directory changes
+LOADER_VERSION = "2"  # bump when what load_task makes of a directory changes
 HASHED_BYTES = 1 << 20
 
 
