@@ -121,6 +121,22 @@ def test_steps_log_where_time_went_and_keep_the_peak(warm_start, tmp_path, monke
     assert not (tmp_path / "checkpoints" / "step-00001").exists()  # superseded and not an eval point
 
 
+@pytest.mark.sandbox
+def test_the_continuous_batcher_serves_the_rollouts_and_its_busy_time_is_the_sampling_share(
+    warm_start, tmp_path, monkeypatch
+):
+    _grpo(
+        tmp_path,
+        monkeypatch,
+        warm_start,
+        "grpo.steps=1",
+        "grpo.eval_at_start=false",
+        "backend.continuous_batching=true",
+    )
+    (step,) = [r for r in _rows(tmp_path) if "rollout/reward_mean" in r]
+    assert step["rollout/groups"] == 3 and 0 < step["time/sample"] <= step["time/rollout"], step
+
+
 def _killed_in_step_2(run_dir, monkeypatch, checkpoint, settings) -> None:
     """A run killed in the third step's update, after the second step's checkpoint."""
     real_step = grpo_stage._step

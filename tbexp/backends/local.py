@@ -63,6 +63,7 @@ import copy
 import json
 import random
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Callable
@@ -562,11 +563,28 @@ class LocalSampler(Sampler):
 
 
 class _ContinuousQueue:
+    """Requests straight into the running batch; `busy_s` is the wall time any of them was in it (the stages'
+    sampling share, as `BatchQueue.busy_s` is for batches run one at a time)."""
+
     def __init__(self, sampler: LocalSampler):
         self.sampler = sampler
+        self.busy_s = 0.0
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self._since = 0.0
 
     def submit(self, request: Request) -> SampledSequence:
-        return self.sampler._continuous([request])[0]
+        with self._lock:
+            if self._in_flight == 0:
+                self._since = time.perf_counter()
+            self._in_flight += 1
+        try:
+            return self.sampler._continuous([request])[0]
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+                if self._in_flight == 0:
+                    self.busy_s += time.perf_counter() - self._since
 
 
 def _row(datum: types.Datum, loss_fn: str, index: int) -> dict[str, torch.Tensor]:
