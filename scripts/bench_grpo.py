@@ -82,6 +82,7 @@ def main() -> None:
     if not args.compare:
         grpo.train(job, checkpoint, tasks, run)
         _print_steps(job.cfg, run)
+        _print_batcher(job)
         return
     rows = []
     for name, variant in VARIANTS.items():
@@ -155,6 +156,14 @@ def _print_steps(cfg, run: Path) -> None:
     print(
         f"mean: {step_s:.1f} s/step, {episodes / step_s:.2f} episodes/s; sample {mean['sample']:.0%}, sandboxes+tests {mean['sandbox']:.0%} (target <= 33%), train {mean['train']:.0%}"
     )
+
+
+def _print_batcher(job) -> None:
+    """With backend.continuous_batching: the running batch's counters (prompt tokens served from cached pages, ...)."""
+    engine = getattr(job.models._host, "_engine", None)
+    batcher = getattr(engine, "_batcher", None)
+    if batcher is not None:
+        print("continuous batcher:", json.dumps({k: round(v, 2) for k, v in batcher.stats.items()}))
 
 
 def _warm_checkpoint(cfg, job) -> str:
