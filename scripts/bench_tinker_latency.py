@@ -47,6 +47,7 @@ from pathlib import Path
 os.environ.setdefault("TQDM_DISABLE", "1")
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))  # bench_grpo's totals
 
 # name -> the overrides beside the benchmark's own; the first is the baseline
 VARIANTS = {
@@ -136,21 +137,14 @@ def _check_rootfs(cfg) -> None:
 
 
 def _totals(name: str, cfg, run: Path, train_s: float) -> dict:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if "time/step" in r]
-    steps_s = sum(r["time/step"] for r in steps)
-    episodes = sum(r.get("rollout/episodes", r["rollout/groups"] * cfg.grpo.group_size) for r in steps)
-    ends = [r["time"] for r in steps]
-    return {
-        "variant": name,
-        "steps": len(steps),
-        "steps_s": steps_s,
-        "episodes": episodes,
-        "episodes_s": episodes / steps_s,
-        "steps_per_s": len(steps) / steps_s,
-        "end_to_end_s": (ends[-1] - ends[0]) / (len(ends) - 1) if len(ends) > 1 else float("nan"),
-        "train_s": train_s,
-    }
+    """bench_grpo's per-variant totals, and the mean seconds from one step's end to the next."""
+    from bench_grpo import _totals as grpo_totals
+
+    ends = [
+        json.loads(line)["time"] for line in (run / "metrics.jsonl").read_text().splitlines() if "time/step" in line
+    ]
+    end_to_end = (ends[-1] - ends[0]) / (len(ends) - 1) if len(ends) > 1 else float("nan")
+    return {**grpo_totals(name, cfg, run, train_s), "end_to_end_s": end_to_end}
 
 
 def _print_table(rows: list[dict], steps: int, cfg) -> None:
