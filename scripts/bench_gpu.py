@@ -36,6 +36,10 @@ measured in the `env` row. `grpo-step-*`: one GRPO step end to end (sample
 `grpo_groups` × `grpo_group_size` replies, an importance-sampling
 forward_backward over them, optim_step), sampling with the CUDA-graph sampler
 one group at a time (before) or all at once through continuous batching (after).
+`cb-*-profile`: where a decode step's device time goes (kernel time per kind,
+the matmuls and the attention alone); `cb-64-lora-unmerged`: the step's linear
+layers with the LoRA deltas merged (as the batcher runs them) against unmerged,
+and the cost of a merge.
 """
 
 from __future__ import annotations
@@ -87,6 +91,11 @@ MEASUREMENTS = {
     "cb-64-page16": ("sample_continuous", {"concurrent": 64, "page_tokens": 16}),
     "cb-64-page64": ("sample_continuous", {"concurrent": 64, "page_tokens": 64}),
     "cb-64-torch-kernels": ("sample_continuous", {"concurrent": 64, "kernels": "torch"}),
+    "cb-64-prefill64k": ("sample_continuous", {"concurrent": 64, "prefill_tokens": 65536}),
+    "cb-16-profile": ("decode_profile", {"concurrent": 16}),
+    "cb-64-profile": ("decode_profile", {"concurrent": 64}),
+    "cb-256-profile": ("decode_profile", {"concurrent": 256}),
+    "cb-64-lora-unmerged": ("lora_unmerged", {"concurrent": 64}),
     "sft-trl-ckpt": ("sft_trl", {"gradient_checkpointing": True}),
     "sft-tbexp-fast-ckpt": ("sft_tbexp", {**FAST, "gradient_checkpointing": True}),
 }
@@ -718,13 +727,18 @@ def _decode_bound(engine, concurrent: int, mean_context: float, bandwidth: float
 
 
 def _sample_continuous(
-    shape: dict, concurrent: int, kernels: str = "auto", stop: bool = True, page_tokens: int = 0
+    shape: dict,
+    concurrent: int,
+    kernels: str = "auto",
+    stop: bool = True,
+    page_tokens: int = 0,
+    prefill_tokens: int = 0,
 ) -> dict:
     from tinker import types
 
     b = _backend(shape, _model(shape), continuous_batching=True, max_concurrent_sequences=max(16, concurrent))
     sampler = b.sampler()
-    if kernels != "auto" or page_tokens:  # before the first request builds it
+    if kernels != "auto" or page_tokens or prefill_tokens:  # before the first request builds it
         from tbexp.backends.continuous_batching import ContinuousBatcher
 
         with sampler._model() as (_, lm):
@@ -736,6 +750,7 @@ def _sample_continuous(
                 kernels=kernels,
                 page_tokens=page_tokens,
                 max_batch=max(16, concurrent),
+                **({"prefill_tokens": prefill_tokens} if prefill_tokens else {}),
             )
     engine = b._continuous_batcher(sampler)
     warm = [
@@ -807,6 +822,208 @@ def _sample_continuous(
         "mean_abs": round(float(diff.abs().mean()), 4),
         "graph_captures": engine.stats["graph_captures"],
     }
+
+
+KERNEL_KINDS = (  # a kernel's kind in the profile of a decode step, by the first pattern its name contains
+    ("paged_attn", "attention"),
+    ("merge_splits", "attention merge"),
+    ("add_rmsnorm", "add + rmsnorm"),
+    ("qk_rope", "q/k norm + rope + cache write"),
+    ("silu_mul", "silu * up"),
+    ("sample_", "sampling"),
+    ("advance", "next step's inputs"),
+    ("gemm", "matmul"),
+    ("nvjet", "matmul"),
+    ("cutlass", "matmul"),
+    ("xmma", "matmul"),
+)
+
+
+def _decode_profile(shape: dict, concurrent: int) -> dict:
+    """Where a decode step's device time goes, at `concurrent` rows of the cb-* rows' mean context.
+
+    The rows are admitted and prefilled as in `cb-*`; their lengths are then set to the mean context (the cache
+    slots past the prompt hold zeros: the same bytes to read). Kernel time per kind comes from torch.profiler over
+    eager steps (the same kernels the graph replays). Timed with CUDA events: the step's graph replayed; the
+    attention kernel and each kind of matmul alone over all layers, replayed from graphs of their own; and the
+    whole step as `_launch` queues it (graph, sampling, next inputs, copy to the host) with the host waiting for
+    each, which the batcher's one-step-ahead loop does not (its step is the cb-* rows' ms_per_step).
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    from tbexp.backends.continuous_batching import BUCKETS, _splits
+
+    b = _backend(shape, _model(shape), continuous_batching=True, max_concurrent_sequences=max(16, concurrent))
+    sampler = b.sampler()
+    engine = b._continuous_batcher(sampler)
+    now = time.perf_counter()
+    engine._waiting.extend(
+        engine._new_sequence(r, sampler, None, now, None) for r in _cb_requests(shape, concurrent, shape["cb_new"])
+    )
+    engine._prefill(engine._admit())
+    context = shape["cb_prompt"] + shape["cb_new"] // 2
+    bucket = next(b for b in BUCKETS if b >= concurrent)
+    engine._launch(engine.rows)()  # writes every row's step inputs
+    engine.step_inputs[3, :concurrent] = context
+    with torch.no_grad():
+        for _ in range(3):
+            engine._decode_step(bucket)
+        _sync(shape)
+        on_gpu = shape["device"] == "cuda"  # on a CPU (--tiny) the ops' CPU time stands in
+        with profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:
+            for _ in range(5):
+                engine._decode_step(bucket)
+            _sync(shape)
+    kinds: dict[str, float] = {}
+    launches = 0
+    for event in prof.key_averages():
+        total_us = event.device_time_total if on_gpu else event.self_cpu_time_total
+        if (on_gpu and event.device_type.name != "CUDA") or not total_us:
+            continue
+        name = event.key.lower()
+        kind = next((k for pattern, k in KERNEL_KINDS if pattern in name), "other")
+        kinds[kind] = kinds.get(kind, 0.0) + total_us / 5 / 1e3
+        launches += event.count / 5
+    logits = engine._decode_logits(bucket)  # captures the bucket's graph
+    graph_ms = _events_ms(lambda: engine._decode_logits(bucket), 50)
+    del logits
+    w = engine.weights
+    splits = _splits(bucket * w.n_kv_heads, engine.max_pages_per_seq)
+    q = torch.randn(bucket, w.n_q_heads, w.head_dim, dtype=w.dtype, device=engine.device)
+    lengths = engine.step_inputs[3, :bucket].to(torch.int32)
+
+    def attention_all_layers():
+        for layer in range(w.n_layers):
+            engine.ops["attention"](
+                q, engine.k_cache[layer], engine.v_cache[layer], engine.block_tables[:bucket], lengths, w.scale, splits
+            )
+
+    attention_ms = _graph_ms(attention_all_layers, 20)
+    kv_bytes = concurrent * context * 2 * w.n_layers * w.n_kv_heads * w.head_dim * w.embed.element_size()
+    # Each matmul of the step alone, over every layer's weights (one launch each, as the graph runs them).
+    matmul_ms = {}
+    for name in ("qkv", "o", "gate_up", "down"):
+        x = torch.randn(bucket, w.layers[0][name].shape[1], dtype=w.dtype, device=engine.device)
+        matmul_ms[name] = _graph_ms(lambda: [torch.nn.functional.linear(x, layer[name]) for layer in w.layers], 20)
+    x = torch.randn(bucket, w.head.shape[1], dtype=w.dtype, device=engine.device)
+    matmul_ms["head"] = _graph_ms(lambda: torch.nn.functional.linear(x, w.head), 20)
+    weight_bytes = {k: sum(layer[k].numel() * 2 for layer in w.layers) for k in ("qkv", "o", "gate_up", "down")}
+    weight_bytes["head"] = w.head.numel() * 2
+    # The whole step as the batcher queues it: graph replay, sampling, the next inputs, the copy to the host.
+    engine.step_inputs[3, :concurrent] = context
+    engine._inputs_stale = False
+    rows = list(engine.rows)
+    step_ms = _events_ms(lambda: engine._launch(rows)(), 20)
+    return {
+        "concurrent": concurrent,
+        "bucket": bucket,
+        "context": context,
+        "eager_kernel_ms_per_step": {k: round(v, 3) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+        "eager_kernel_ms_total": round(sum(kinds.values()), 3),
+        "kernels_per_step": round(launches),
+        "graph_step_ms": round(graph_ms, 3),
+        "step_with_sampling_ms": round(step_ms, 3),
+        "matmul_ms_per_step": {k: round(v, 3) for k, v in matmul_ms.items()},
+        "matmul_tb_per_s": {k: round(weight_bytes[k] / matmul_ms[k] / 1e9, 2) for k in matmul_ms},
+        "attention_all_layers_ms": round(attention_ms, 3),
+        "attention_tb_per_s": round(kv_bytes / attention_ms / 1e9, 2),
+        "attention_splits": splits,
+    }
+
+
+def _lora_unmerged(shape: dict, concurrent: int) -> dict:
+    """The decode step's linear layers with the LoRA deltas merged (what the batcher runs) against unmerged.
+
+    Merged: the 4 fused products a layer (QKV, output, gate/up, down) from the batcher's own buffers. Unmerged:
+    the same 4 products from the base weights, each plus its LoRA path x·Aᵀ·Bᵀ (the A of a fused product stacked,
+    its B block-diagonal: 2 more small products a fused product, added in place by addmm), so no merged copy is
+    needed and a new snapshot copies only A and B. Both are captured in a CUDA graph at `concurrent` rows and
+    timed replayed; the merge is `ContinuousBatcher.load`, timed as the cb-* rows time it (weight_merge_ms).
+    """
+    from tbexp.backends.continuous_batching import BUCKETS
+
+    b = _backend(shape, _model(shape), continuous_batching=True, max_concurrent_sequences=max(16, concurrent))
+    sampler = b.sampler()
+    engine = b._continuous_batcher(sampler)
+    w = engine.weights
+    bucket = next(n for n in BUCKETS if n >= concurrent)
+    groups = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj")}
+    groups["down"] = ("down_proj",)
+    unmerged = []
+    with sampler._model() as (_, lm), torch.no_grad():
+        for layer in lm.get_decoder().layers:
+            mods = {name: getattr(layer.self_attn, name, None) or getattr(layer.mlp, name) for name in TARGETS}
+            fused = {}
+            for key, names in groups.items():
+                base = torch.cat([mods[n].base_layer.weight for n in names]).contiguous()
+                a = torch.cat([mods[n].lora_A["default"].weight for n in names]).to(w.dtype).contiguous()
+                b_blocks = [mods[n].lora_B["default"].weight * mods[n].scaling["default"] for n in names]
+                b_diag = torch.block_diag(*b_blocks).to(w.dtype).contiguous()
+                fused[key] = (base, a, b_diag)
+            unmerged.append(fused)
+        rank = unmerged[0]["qkv"][1].shape[0] // 3
+    x = {
+        k: torch.randn(bucket, t.shape[1], dtype=w.dtype, device=engine.device)
+        for k, t in w.layers[0].items()
+        if k in groups
+    }
+
+    def merged_step():
+        return [torch.nn.functional.linear(x[k], layer[k]) for layer in w.layers for k in groups]
+
+    def unmerged_step():
+        outs = []
+        for layer in unmerged:
+            for k, (base, a, b_diag) in layer.items():
+                y = torch.nn.functional.linear(x[k], base)
+                outs.append(torch.addmm(y, torch.nn.functional.linear(x[k], a), b_diag.t()))
+        return outs
+
+    times = {"merged": _graph_ms(merged_step, 50), "unmerged": _graph_ms(unmerged_step, 50)}
+    merge_ms = [_timed(lambda: sampler._load_into(engine), shape) * 1e3 for _ in range(3)]
+    extra = times["unmerged"] - times["merged"]
+    return {
+        "concurrent": concurrent,
+        "lora_rank": rank,
+        "merged_linear_ms_per_step": round(times["merged"], 3),
+        "unmerged_linear_ms_per_step": round(times["unmerged"], 3),
+        "unmerged_extra_ms_per_step": round(extra, 3),
+        "weight_merge_ms": [round(t, 1) for t in merge_ms],
+        "merge_pays_after_steps": round(min(merge_ms) / extra, 1) if extra > 0 else None,
+        "unmerged_extra_ms_per_512_token_reply": round(extra * shape["cb_new"], 1),
+    }
+
+
+def _graph_ms(fn, repeats: int) -> float:
+    """`_events_ms` of `fn` captured in a CUDA graph and replayed (no launch overhead), or of `fn` on a CPU."""
+    fn()
+    if not torch.cuda.is_available():
+        return _events_ms(fn, repeats)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return _events_ms(graph.replay, repeats)
+
+
+def _events_ms(fn, repeats: int) -> float:
+    """Median milliseconds of `fn` on the device (CUDA events around each call, after 3 warm-up calls)."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if not torch.cuda.is_available():  # --tiny: wall time
+            start_s = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start_s) * 1e3)
+            continue
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
 
 
 def _timed(fn, shape: dict) -> float:
@@ -901,6 +1118,14 @@ def _table(results: list[dict]) -> None:
     for r in results:
         if "error" in r or "oom" in r:
             print(f"| {r['name']} | failed | | {r.get('error') or r.get('oom')} |")
+        elif "merged_linear_ms_per_step" in r:
+            print(
+                f"| {r['name']} | {r['merged_linear_ms_per_step']} vs {r['unmerged_linear_ms_per_step']} ms/step (merged vs unmerged linears) | | merge {min(r['weight_merge_ms'])} ms once a snapshot: pays after {r['merge_pays_after_steps']} steps |"
+            )
+        elif "graph_step_ms" in r:
+            print(
+                f"| {r['name']} | {r['graph_step_ms']} ms/step (graph) | | attention {r['attention_all_layers_ms']} ms at {r['attention_tb_per_s']} TB/s; eager kernels {r['eager_kernel_ms_per_step']} |"
+            )
         elif "concurrent" in r:
             print(
                 f"| {r['name']} | {r['tokens_per_s']:,} tokens/s ({r['decode_tokens_per_s']:,} decoding) | {r['peak_gib']} | {r['ms_per_step']} ms/step, TTFT median {r['ttft_median_s']} s, {r['fraction_of_bound_at_4.8']:.0%} of the 4.8 TB/s bound |"

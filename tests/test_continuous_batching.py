@@ -255,6 +255,43 @@ def test_triton_kernels_match_the_torch_references_in_the_interpreter():
     assert "ALL OK" in proc.stdout
 
 
+SPLIT_KERNELS_CHECK = """
+import torch
+from tbexp.backends import paged_kernels as pk
+tri, ref = pk.OPS["triton"], pk.OPS["torch"]
+# 40,000 ids: three shares of the vocabulary, the last one partly and some of its blocks wholly past the end.
+for dtype in (torch.float32, torch.bfloat16):
+    logits = (torch.randn(6, 40000, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
+    args = (torch.tensor([0.0, 0.7, 1.0, 1.0, 0.3, 2.0]), torch.tensor([0, 1, 2**40 + 5, 2**61, 7, 7]),
+            torch.tensor([0, 3, 9, 100000, 5, 6]))
+    (t1, l1), (t2, l2) = tri["sample"](logits, *args), ref["sample"](logits, *args)
+    assert torch.equal(t1, t2) and (l1 - l2).abs().max() < 1e-5, (t1, t2, l1, l2)
+g = torch.Generator().manual_seed(1)
+steps = torch.randint(0, 30, (4, 16), generator=g)
+steps[3] = steps[1] + 1
+samples, tables = torch.randint(0, 99, (2, 16), generator=g), torch.randint(1, 50, (16, 8), generator=g).int()
+for n in (5, 16):  # rows past n stay as they were
+    a, b, sa, sb = steps.clone(), steps.clone(), samples.clone(), samples.clone()
+    tokens = torch.randint(0, 999, (n,), generator=g)
+    tri["advance"](a, sa, tables, tokens, 4)
+    ref["advance"](b, sb, tables, tokens, 4)
+    assert torch.equal(a, b) and torch.equal(sa, sb), (a, b)
+print("ALL OK")
+"""
+
+
+def test_split_sampler_and_advance_kernels_match_the_torch_references_in_the_interpreter():
+    pytest.importorskip("triton")
+    proc = subprocess.run(
+        [sys.executable, "-c", SPLIT_KERNELS_CHECK],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)},
+    )
+    assert proc.returncode == 0 and "ALL OK" in proc.stdout, proc.stdout + proc.stderr
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and the compiled Triton kernels need a GPU")
 def test_cuda_graph_decode_matches_the_eager_torch_decode():
     model = tiny_model("qwen3").cuda().to(torch.bfloat16)

@@ -470,66 +470,89 @@ class ContinuousBatcher:
 
     def _prefill(self, seqs: list[_Sequence]) -> None:
         """Encode admitted prompts' uncached tokens (packed, `prefill_tokens` a chunk); sample their first tokens."""
-        batch: list[_Sequence] = []
+        chunks: list[list[_Sequence]] = [[]]
         total = 0
         for seq in seqs:
             n = len(seq.request.prompt) - seq.written
-            if batch and total + n > self.prefill_tokens:
-                self._prefill_batch(batch)
-                batch, total = [], 0
-            batch.append(seq)
+            if chunks[-1] and total + n > self.prefill_tokens:
+                chunks.append([])
+                total = 0
+            chunks[-1].append(seq)
             total += n
-        if batch:
-            self._prefill_batch(batch)
+        began = time.perf_counter()
+        for chunk in chunks:
+            if chunk:
+                self._append_first(chunk, self._prefill_batch(chunk))
+        self.stats["prefill_s"] += time.perf_counter() - began
         for seq in seqs:
             self._add_row(seq)
 
-    def _prefill_batch(self, seqs: list[_Sequence]) -> None:
-        tokens, positions, slots, spans = [], [], [], []
+    def _prefill_inputs(self, seqs: list[_Sequence]):
+        """The packed chunk's (token, position, slot) [3, N] on the device, and each prompt's (start, new, length)."""
+        columns, spans, start = [], [], 0
         for seq in seqs:
             prompt = seq.request.prompt
-            start = seq.written
-            tokens.extend(prompt[start:])
-            positions.extend(range(start, len(prompt)))
-            slots.extend(self._slot(seq, p) for p in range(start, len(prompt)))
-            spans.append((len(tokens) - (len(prompt) - start), len(prompt) - start, len(prompt), seq.pages))
+            positions = np.arange(seq.written, len(prompt))
+            pages = np.asarray(seq.pages, dtype=np.int64)
+            slots = pages[positions // self.page_tokens] * self.page_tokens + positions % self.page_tokens
+            columns.append(np.stack([np.asarray(prompt[seq.written :], dtype=np.int64), positions, slots]))
+            spans.append((start, len(positions), len(prompt)))
+            start += len(positions)
+        return self._upload(np.concatenate(columns, axis=1)), spans
+
+    def _upload(self, array: np.ndarray, into: torch.Tensor | None = None) -> torch.Tensor:
+        """`array` on the device (or copied `into` a device tensor) without waiting for the device to finish what
+        it has queued: torch's copy from pageable host memory synchronizes the stream, one from pinned memory not."""
+        host = torch.from_numpy(np.ascontiguousarray(array))
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        if into is not None:
+            return into.copy_(host, non_blocking=True)
+        return host.to(self.device, non_blocking=True)
+
+    def _prefill_batch(self, seqs: list[_Sequence]):
+        """Queue one packed chunk's encoding and its first tokens' sampling; returns the wait for (tokens, logprobs)."""
         dev = self.device
-        tokens_N = torch.tensor(tokens, dtype=torch.long, device=dev)
-        positions_N = torch.tensor(positions, dtype=torch.long, device=dev)
-        slots_N = torch.tensor(slots, dtype=torch.long, device=dev)
-        page_tables = [torch.tensor(pages, dtype=torch.long, device=dev) for *_, pages in spans]
+        inputs, spans = self._prefill_inputs(seqs)
+        tokens_N, positions_N, slots_N = inputs
 
         # Prompts with nothing cached attend to their own tokens only: on a GPU, one packed varlen (flash) call per
         # layer over all of them, their K/V read back from the slots just written; the rest, one SDPA call each.
-        fresh = [i for i, (_, n, length, _) in enumerate(spans) if n == length] if self._varlen else []
+        fresh = [i for i, (_, n, length) in enumerate(spans) if n == length] if self._varlen else []
         if len(fresh) > 1:
-            rows_T = torch.cat([torch.arange(spans[i][0], spans[i][0] + spans[i][1], device=dev) for i in fresh])
-            slots_T = slots_N[rows_T]
+            rows = np.concatenate([np.arange(spans[i][0], spans[i][0] + spans[i][1]) for i in fresh])
+            every = len(fresh) == len(spans)  # then rows_T is 0..N-1
+            rows_T = None if every else self._upload(rows)
+            slots_T = slots_N if every else slots_N[rows_T]
             pages_T, offsets_T = slots_T // self.page_tokens, slots_T % self.page_tokens
-            cu = torch.tensor(np.cumsum([0] + [spans[i][1] for i in fresh]), dtype=torch.int32, device=dev)
+            cu = self._upload(np.cumsum([0] + [spans[i][1] for i in fresh]).astype(np.int32))
             longest = max(spans[i][1] for i in fresh)
         else:
             fresh = []
         packed = set(fresh)
         others = [i for i in range(len(spans)) if i not in packed]
+        page_tables = {i: self._upload(np.asarray(seqs[i].pages, dtype=np.int64)) for i in others}
 
         def attend(layer: int, q_N_H_d: torch.Tensor) -> torch.Tensor:
             if not fresh:
                 return attend_each(layer, q_N_H_d, range(len(spans)))
             k = self.k_cache[layer][pages_T, :, offsets_T]  # [T, KV heads, d]
             v = self.v_cache[layer][pages_T, :, offsets_T]
-            packed = self._varlen(q_N_H_d[rows_T], k, v, cu, longest, self.weights.scale)
-            if not others:  # every prompt is fresh: rows_T is 0..N-1
-                return packed.reshape(len(rows_T), -1)
+            q = q_N_H_d if rows_T is None else q_N_H_d[rows_T]
+            out_T = self._varlen(q, k, v, cu, longest, self.weights.scale).reshape(q.shape[0], -1)
+            if not others:
+                return out_T
             out = torch.empty(q_N_H_d.shape[0], q_N_H_d.shape[1] * q_N_H_d.shape[2], dtype=q_N_H_d.dtype, device=dev)
-            out[rows_T] = packed.reshape(len(rows_T), -1)
+            out[rows_T] = out_T
             for i, o in zip(others, attend_each(layer, q_N_H_d, others, cat=False)):
                 out[spans[i][0] : spans[i][0] + spans[i][1]] = o
             return out
 
         def attend_each(layer: int, q_N_H_d: torch.Tensor, which, cat: bool = True):
             outs = []
-            for (start, n, length, _), pages in ((spans[i], page_tables[i]) for i in which):
+            for i in which:
+                start, n, length = spans[i]
+                pages = page_tables[i]
                 k = gather_pages(self.k_cache[layer], pages, length)
                 v = gather_pages(self.v_cache[layer], pages, length)
                 # 4-D inputs: SDPA's fused kernels take nothing else (3-D ones run its slow math kernel).
@@ -551,16 +574,22 @@ class ContinuousBatcher:
                 outs.append(o[0].transpose(0, 1).reshape(n, -1))
             return torch.cat(outs) if cat else outs
 
-        last = torch.tensor([start + n - 1 for start, n, *_ in spans], device=dev)
-        began = time.perf_counter()
+        last, seeds, steps = self._upload(
+            np.array(
+                [[start + n - 1 for start, n, _ in spans], [s.seed for s in seqs], [len(s.tokens) for s in seqs]],
+                dtype=np.int64,
+            )
+        )
+        temps = self._upload(np.array([s.request.params.temperature for s in seqs], dtype=np.float32))
         with torch.no_grad():
             hidden = self._forward(tokens_N, positions_N, slots_N, attend)
             logits = self._logits(hidden[last])
-        self.stats["prefill_tokens"] += len(tokens)
+            tokens_B, logp_B = self._sample(seqs, logits, temps, seeds, steps)
+            wait = self._to_host(torch.stack([tokens_B.double(), logp_B.double()]))
+        self.stats["prefill_tokens"] += inputs.shape[1]
         for seq in seqs:
             seq.written = len(seq.request.prompt)
-        self._sample_and_append(seqs, logits)
-        self.stats["prefill_s"] += time.perf_counter() - began
+        return wait
 
     def _decode_run(self) -> None:
         """Decode steps over the current rows until a row ends or a waiting request can join.
@@ -598,9 +627,9 @@ class ContinuousBatcher:
                 host[:, r] = (seq.tokens[-1], position, self._slot(seq, position), position + 1)
                 samp[:, r] = (seq.seed, len(seq.tokens))
                 temps[r] = seq.request.params.temperature
-            self.step_inputs[:, :bucket].copy_(torch.from_numpy(host))
-            self.sample_inputs[:, :bucket].copy_(torch.from_numpy(samp))
-            self.temperatures[:bucket].copy_(torch.from_numpy(temps))
+            self._upload(host, into=self.step_inputs[:, :bucket])
+            self._upload(samp, into=self.sample_inputs[:, :bucket])
+            self._upload(temps, into=self.temperatures[:bucket])
             self._inputs_stale = False
         with torch.no_grad():
             logits_B_V = self._decode_logits(bucket)[:n]
@@ -612,15 +641,7 @@ class ContinuousBatcher:
 
     def _advance(self, n: int, tokens_B: torch.Tensor) -> None:
         """The next step's inputs of the `n` live rows, on the device: feed the sampled token one position on."""
-        token, position, slot, length = self.step_inputs[:, :n]
-        token.copy_(tokens_B)
-        position += 1
-        length += 1
-        # A row one step past its end (its token is dropped) may point past its pages: the scratch page is there.
-        page = (position // self.page_tokens).clamp_(max=self.max_pages_per_seq - 1)
-        slot.copy_(self.block_tables[:n].gather(1, page[:, None]).squeeze(1) * self.page_tokens)
-        slot += position % self.page_tokens
-        self.sample_inputs[1, :n] += 1
+        self.ops["advance"](self.step_inputs, self.sample_inputs, self.block_tables, tokens_B[:n], self.page_tokens)
 
     def _consume(self, rows: list[_Sequence], wait) -> bool:
         """Append a step's tokens to the rows still going and check their stops; True if a row ended."""
@@ -719,17 +740,13 @@ class ContinuousBatcher:
         return hidden
 
     def _logits(self, hidden_N_D: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(hidden_N_D, self.weights.head).float()
+        """In the model's dtype: the sampler reads them as fp32 (a bf16 value is exact in fp32), so no fp32 copy."""
+        return torch.nn.functional.linear(hidden_N_D, self.weights.head)
 
-    def _sample_and_append(self, seqs: list[_Sequence], logits_B_V: torch.Tensor) -> None:
-        """Sample each prefilled sequence's first token and append it (decode steps: `_launch`, `_consume`)."""
-        dev = self.device
-        temps = torch.tensor([s.request.params.temperature for s in seqs], dtype=torch.float32, device=dev)
-        seeds = torch.tensor([s.seed for s in seqs], dtype=torch.long, device=dev)
-        steps = torch.tensor([len(s.tokens) for s in seqs], dtype=torch.long, device=dev)
-        tokens_B, logp_B = self._sample(seqs, logits_B_V, temps, seeds, steps)
+    def _append_first(self, seqs: list[_Sequence], wait) -> None:
+        """Append each prefilled sequence's first token (decode steps: `_launch`, `_consume`)."""
         waited = time.perf_counter()
-        picked, logps = self._to_host(torch.stack([tokens_B.double(), logp_B.double()]))()
+        picked, logps = wait()
         now = time.perf_counter()
         self.stats["device_wait_s"] += now - waited
         for b, seq in enumerate(seqs):
@@ -786,9 +803,9 @@ class ContinuousBatcher:
         row = len(self.rows)
         self.rows.append(seq)
         self._inputs_stale = True
-        table = torch.full((self.max_pages_per_seq,), SCRATCH_PAGE, dtype=torch.int32)
-        table[: len(seq.pages)] = torch.tensor(seq.pages, dtype=torch.int32)
-        self.block_tables[row].copy_(table)
+        table = np.full(self.max_pages_per_seq, SCRATCH_PAGE, dtype=np.int32)
+        table[: len(seq.pages)] = seq.pages
+        self._upload(table, into=self.block_tables[row])
 
     def _retire(self) -> None:
         """Finish stopped rows; the last row moves into each freed place, so the live rows stay 0..n-1."""
@@ -843,6 +860,7 @@ def _filters(params) -> bool:
 
 
 def _filtered_row(logits_V: torch.Tensor, params) -> torch.Tensor:
+    logits_V = logits_V.float()
     if not _filters(params):
         return logits_V
     # filter_logits works on tempered logits; undo the temperature so the kernel's division gives them back.

@@ -21,14 +21,19 @@ pages are listed in its row of the block table.
 * `paged_decode_attention`: one query token per row against its sequence's
   cached keys (split-K "flash decoding": each of `splits` programs per row
   and KV head runs an online softmax over its share of the pages, a second
-  kernel merges the shares), GQA by loading each KV head once for its group
-  of query heads.
+  kernel merges the shares; with one split the first writes the output),
+  GQA by loading each KV head once for its group of query heads.
 * `silu_mul`: SwiGLU's silu(gate) * up over the fused gate/up projection.
 * `sample_tokens`: Gumbel-max sampling and the untempered logprob of the
-  pick, in one pass over each row's logits. The noise is a counter-based
+  pick, in one pass over each row's logits (on a GPU, one pass over each
+  share of the vocabulary, then a merge of each row's shares, so that a
+  small batch still fills the SMs). The noise is a counter-based
   hash of (request seed, token index, vocabulary id), not a stateful
   generator: a request draws the same noise whichever batch it is in, and
   the torch and Triton versions draw the same numbers.
+* `advance`: the next decode step's inputs from the tokens just sampled
+  (token, position, cache slot, length, token index), in place, on the
+  device: one launch on a GPU instead of a dozen small torch ops.
 
 Simplified: no top-k/top-p in the fused sampler (the caller filters the
 logits first when a request asks for them, see `filter_logits`), and the
@@ -167,7 +172,9 @@ def _kernels():
         "paged_attn": k.paged_attn_kernel,
         "merge_splits": k.merge_splits_kernel,
         "silu_mul": k.silu_mul_kernel,
-        "sample": k.sample_kernel,
+        "sample_part": k.sample_part_kernel,
+        "sample_merge": k.sample_merge_kernel,
+        "advance": k.advance_kernel,
     }
 
 
@@ -220,9 +227,10 @@ def qk_norm_rope_store_triton(
 
 
 # Pages a step (CHUNK), warps and pipelining stages of the attention kernel (scripts/tune_paged_attention.py).
-# Measured on an H200 for the Qwen3-1.7B shape at 16, 64 and 256 rows (1,280-token contexts): within 4% of the
-# best setting at each, against 30-60% slower for one page a step with Triton's defaults.
-ATTENTION_LAUNCH: dict = {"CHUNK": 4, "num_warps": 4, "num_stages": 3}
+# Measured on an H200 for the Qwen3-1.7B shape at 16, 64 and 256 rows (1,280-token contexts, each sequence's
+# pages in order as a live cache mostly has them, graph-replayed): the best at each, 1-3.5% faster than 4 pages a
+# step (28, 84 and 301 us a layer: 3.0, 4.0 and 4.5 TB/s of K/V read).
+ATTENTION_LAUNCH: dict = {"CHUNK": 2, "num_warps": 4, "num_stages": 3}
 
 
 def paged_decode_attention_triton(
@@ -231,8 +239,10 @@ def paged_decode_attention_triton(
     n, heads, d = q_N_H_d.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
-    acc = torch.empty(n, heads, splits, d, dtype=torch.float32, device=q_N_H_d.device)
-    ml = torch.empty(n, heads, splits, 2, dtype=torch.float32, device=q_N_H_d.device)
+    out = torch.empty(n, heads * d, dtype=q_N_H_d.dtype, device=q_N_H_d.device)
+    direct = splits == 1  # the kernel writes the output; no partial results to merge
+    acc = out if direct else torch.empty(n, heads, splits, d, dtype=torch.float32, device=q_N_H_d.device)
+    ml = out if direct else torch.empty(n, heads, splits, 2, dtype=torch.float32, device=q_N_H_d.device)
     kernels = _kernels()
     kernels["paged_attn"][(n, kv_heads, splits)](
         q_N_H_d,
@@ -242,6 +252,7 @@ def paged_decode_attention_triton(
         seq_lens_N,
         acc,
         ml,
+        out,
         scale,
         block_tables.stride(0),
         splits,
@@ -251,10 +262,11 @@ def paged_decode_attention_triton(
         GROUP_PAD=max(16, _pow2(group)),
         HEAD_D=d,
         PAGE=k_cache.shape[2],
+        DIRECT=direct,
         **{"CHUNK": 1, **(ATTENTION_LAUNCH if launch is None else launch)},
     )
-    out = torch.empty(n, heads * d, dtype=q_N_H_d.dtype, device=q_N_H_d.device)
-    kernels["merge_splits"][(n * heads,)](acc, ml, out, splits, SPLITS_PAD=_pow2(splits), HEAD_D=d)
+    if not direct:
+        kernels["merge_splits"][(n * heads,)](acc, ml, out, splits, SPLITS_PAD=_pow2(splits), HEAD_D=d)
     return out
 
 
@@ -266,16 +278,70 @@ def silu_mul_triton(gate_up_N_F):
     return out
 
 
+# The sampler's share of the vocabulary a program: SAMPLE_BLOCKS blocks of SAMPLE_BLOCK_V ids (151,936 ids:
+# 10 shares a row), so that a batch of 16-64 rows spreads over every SM instead of one program a row.
+SAMPLE_BLOCK_V, SAMPLE_BLOCKS = 4096, 4
+
+
 def sample_tokens_triton(logits_B_V, temperatures_B, seeds_B, steps_B, filtered_B_V=None):
     if filtered_B_V is not None:  # the filtered draw needs both logit sets: the reference does it
         return sample_tokens_torch(logits_B_V, temperatures_B, seeds_B, steps_B, filtered_B_V)
     b, v = logits_B_V.shape
+    logits_B_V = logits_B_V.contiguous()
+    parts = -(-v // (SAMPLE_BLOCK_V * SAMPLE_BLOCKS))
+    shares = torch.empty(b, parts, 4, dtype=torch.float32, device=logits_B_V.device)
     tokens = torch.empty(b, dtype=torch.long, device=logits_B_V.device)
     logp = torch.empty(b, dtype=torch.float32, device=logits_B_V.device)
-    _kernels()["sample"][(b,)](
-        logits_B_V.contiguous(), temperatures_B.float().contiguous(), seeds_B, steps_B, tokens, logp, v, BLOCK_V=4096
+    kernels = _kernels()
+    kernels["sample_part"][(b, parts)](
+        logits_B_V,
+        temperatures_B.float().contiguous(),
+        seeds_B,
+        steps_B,
+        shares,
+        v,
+        parts,
+        BLOCKS=SAMPLE_BLOCKS,
+        BLOCK_V=SAMPLE_BLOCK_V,
     )
+    kernels["sample_merge"][(b,)](logits_B_V, shares, tokens, logp, v, parts, PARTS_PAD=max(2, _pow2(parts)))
     return tokens, logp
+
+
+def advance_torch(step_inputs_4_B, sample_inputs_2_B, block_tables, tokens_N, page_tokens: int):
+    """The next decode step's inputs of rows 0..N-1, in place: feed the sampled token one position on.
+
+    step_inputs rows: token, position, cache slot, length; sample_inputs rows: seed, token index. A row one step
+    past its end (its token is dropped) may point past its pages, where its block table holds the scratch page
+    (past the table's last column, to which its page is clamped).
+    """
+    n = tokens_N.shape[0]
+    token, position, slot, length = step_inputs_4_B[:, :n]
+    token.copy_(tokens_N)
+    position += 1
+    length += 1
+    page = (position // page_tokens).clamp_(max=block_tables.shape[1] - 1)
+    slot.copy_(block_tables[:n].gather(1, page[:, None]).squeeze(1) * page_tokens)
+    slot += position % page_tokens
+    sample_inputs_2_B[1, :n] += 1
+
+
+def advance_triton(step_inputs_4_B, sample_inputs_2_B, block_tables, tokens_N, page_tokens: int):
+    n, stride = tokens_N.shape[0], step_inputs_4_B.stride(0)
+    assert sample_inputs_2_B.stride(0) == stride and step_inputs_4_B.is_contiguous()
+    block = 256
+    _kernels()["advance"][(-(-n // block),)](
+        step_inputs_4_B,
+        sample_inputs_2_B,
+        block_tables,
+        tokens_N,
+        n,
+        stride,
+        block_tables.stride(0),
+        block_tables.shape[1],
+        PAGE=page_tokens,
+        BLOCK=block,
+    )
 
 
 OPS = {
@@ -285,6 +351,7 @@ OPS = {
         "attention": paged_decode_attention_torch,
         "silu_mul": silu_mul_torch,
         "sample": sample_tokens_torch,
+        "advance": advance_torch,
     },
     "triton": {
         "add_rmsnorm": add_rmsnorm_triton,
@@ -292,5 +359,6 @@ OPS = {
         "attention": paged_decode_attention_triton,
         "silu_mul": silu_mul_triton,
         "sample": sample_tokens_triton,
+        "advance": advance_triton,
     },
 }

@@ -86,6 +86,7 @@ def paged_attn_kernel(
     lens_ptr,
     acc_ptr,
     ml_ptr,
+    out_ptr,
     scale,
     bt_stride,
     SPLITS,
@@ -96,6 +97,7 @@ def paged_attn_kernel(
     HEAD_D: tl.constexpr,
     PAGE: tl.constexpr,
     CHUNK: tl.constexpr,
+    DIRECT: tl.constexpr,
 ):
     # One program: one sequence, one KV head, one split of its pages, walked CHUNK pages (CHUNK·PAGE tokens) an
     # iteration: each token's page comes from the block table, so a tile spans several scattered pages.
@@ -131,10 +133,14 @@ def paged_attn_kernel(
         acc = acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v)
         m = m_new
     keep = g < GROUP
-    part = (n * HQ + heads) * SPLITS + split
-    tl.store(acc_ptr + part[:, None] * HEAD_D + d[None, :], acc, mask=keep[:, None])
-    tl.store(ml_ptr + part * 2, m, mask=keep)
-    tl.store(ml_ptr + part * 2 + 1, l, mask=keep)
+    if DIRECT:  # one split: the output itself (what merge_splits_kernel gives for one split: acc / l)
+        out = (acc / l[:, None]).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + (n * HQ + heads)[:, None] * HEAD_D + d[None, :], out, mask=keep[:, None])
+    else:
+        part = (n * HQ + heads) * SPLITS + split
+        tl.store(acc_ptr + part[:, None] * HEAD_D + d[None, :], acc, mask=keep[:, None])
+        tl.store(ml_ptr + part * 2, m, mask=keep)
+        tl.store(ml_ptr + part * 2 + 1, l, mask=keep)
 
 
 @triton.jit
@@ -172,8 +178,13 @@ def mix(x):
 
 
 @triton.jit
-def sample_kernel(logits_ptr, temp_ptr, seed_ptr, step_ptr, tok_ptr, logp_ptr, V, BLOCK_V: tl.constexpr):
+def sample_part_kernel(
+    logits_ptr, temp_ptr, seed_ptr, step_ptr, part_ptr, V, PARTS, BLOCKS: tl.constexpr, BLOCK_V: tl.constexpr
+):
+    # One program: one row's share of the vocabulary (BLOCKS blocks of BLOCK_V ids): its running max and sum of
+    # exp (the logsumexp), and its best Gumbel-perturbed id; sample_merge_kernel combines a row's shares.
     row = tl.program_id(0)
+    part = tl.program_id(1)
     temp = tl.load(temp_ptr + row)
     seed = tl.load(seed_ptr + row).to(tl.int64)
     step = tl.load(step_ptr + row).to(tl.int64)
@@ -187,13 +198,17 @@ def sample_kernel(logits_ptr, temp_ptr, seed_ptr, step_ptr, tok_ptr, logp_ptr, V
     run_s = 0.0
     best_z = float("-inf")
     best_i = 0
-    for v0 in range(0, V, BLOCK_V):
+    for j in tl.static_range(BLOCKS):
+        v0 = (part * BLOCKS + j) * BLOCK_V
         offs = v0 + tl.arange(0, BLOCK_V)
         mask = offs < V
         x = tl.load(logits_ptr + row.to(tl.int64) * V + offs, mask=mask, other=float("-inf")).to(tl.float32)
         block_m = tl.max(x, axis=0)
         new_m = tl.maximum(run_m, block_m)
-        run_s = run_s * tl.exp(run_m - new_m) + tl.sum(tl.exp(x - new_m), axis=0)
+        # A block wholly past V adds nothing (its max is -inf; the guard keeps exp(-inf - -inf) out).
+        run_s = tl.where(
+            new_m > float("-inf"), run_s * tl.exp(run_m - new_m) + tl.sum(tl.exp(x - new_m), axis=0), run_s
+        )
         run_m = new_m
         u = mix(key ^ offs.to(tl.uint32))
         uniform = ((u >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
@@ -204,6 +219,47 @@ def sample_kernel(logits_ptr, temp_ptr, seed_ptr, step_ptr, tok_ptr, logp_ptr, V
         better = block_z > best_z
         best_i = tl.where(better, v0 + block_i, best_i)
         best_z = tl.where(better, block_z, best_z)
+    out = part_ptr + (row * PARTS + part) * 4
+    tl.store(out, run_m)
+    tl.store(out + 1, run_s)
+    tl.store(out + 2, best_z)
+    tl.store(out + 3, best_i.to(tl.float32))  # < 2^24: exact
+
+
+@triton.jit
+def sample_merge_kernel(logits_ptr, part_ptr, tok_ptr, logp_ptr, V, PARTS, PARTS_PAD: tl.constexpr):
+    row = tl.program_id(0)
+    p = tl.arange(0, PARTS_PAD)
+    valid = p < PARTS
+    base = part_ptr + (row * PARTS + p) * 4
+    m = tl.load(base, mask=valid, other=float("-inf"))
+    s = tl.load(base + 1, mask=valid, other=0.0)
+    z = tl.load(base + 2, mask=valid, other=float("-inf"))
+    i = tl.load(base + 3, mask=valid, other=0.0)
+    top = tl.max(m, axis=0)
+    total = tl.sum(tl.where(valid, s * tl.exp(m - top), 0.0), axis=0)
+    # The first share holding the largest z: shares are in id order, so ties go to the lowest id, as in one pass.
+    best = tl.argmax(z, axis=0)
+    best_i = tl.sum(tl.where(p == best, i, 0.0), axis=0).to(tl.int64)
     picked = tl.load(logits_ptr + row.to(tl.int64) * V + best_i).to(tl.float32)
-    tl.store(tok_ptr + row, best_i.to(tl.int64))
-    tl.store(logp_ptr + row, picked - run_m - tl.log(run_s))
+    tl.store(tok_ptr + row, best_i)
+    tl.store(logp_ptr + row, picked - top - tl.log(total))
+
+
+@triton.jit
+def advance_kernel(
+    step_ptr, samp_ptr, bt_ptr, tok_ptr, n, stride, bt_stride, max_pages, PAGE: tl.constexpr, BLOCK: tl.constexpr
+):
+    # The next decode step's inputs of rows 0..n-1 (step_ptr: token, position, slot, length rows of `stride`).
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = r < n
+    token = tl.load(tok_ptr + r, mask=live)
+    position = tl.load(step_ptr + stride + r, mask=live) + 1
+    length = tl.load(step_ptr + 3 * stride + r, mask=live) + 1
+    page = tl.minimum(position // PAGE, max_pages - 1)
+    block = tl.load(bt_ptr + r.to(tl.int64) * bt_stride + page, mask=live, other=0).to(tl.int64)
+    tl.store(step_ptr + r, token, mask=live)
+    tl.store(step_ptr + stride + r, position, mask=live)
+    tl.store(step_ptr + 2 * stride + r, block * PAGE + position % PAGE, mask=live)
+    tl.store(step_ptr + 3 * stride + r, length, mask=live)
+    tl.store(samp_ptr + stride + r, tl.load(samp_ptr + stride + r, mask=live) + 1, mask=live)
