@@ -186,6 +186,24 @@ def test_a_failing_run_makes_the_task_unrunnable_once(tmp_path, bwrap_settings):
     assert sorted(p.name for p in builds_dir.iterdir()) == before
 
 
+def test_a_new_cache_root_gets_its_own_built_environment(tmp_path, bwrap_settings):
+    from tbexp.cache import use_root
+
+    task = make_task(tmp_path, "roots")
+    (task / "environment" / "Dockerfile").write_text(
+        f"FROM tbexp-base:bookworm\n# {uuid.uuid4().hex}\nRUN echo built > /built.txt\n"
+    )
+    task = load_task(task)
+    try:
+        roots = []
+        for cache in ("first", "second"):
+            use_root(tmp_path / cache)
+            roots.append(environments.bwrap_environment(task, bwrap_settings).root)
+            assert roots[-1].is_relative_to(tmp_path / cache) and (roots[-1] / "built.txt").exists(), roots
+    finally:
+        use_root(None)
+
+
 def test_builtin_style_task_keeps_the_shared_root(tmp_path, bwrap_settings, demo_task):
     from tbexp.sandboxes.bwrap import BwrapSandbox
 

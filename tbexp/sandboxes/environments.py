@@ -88,6 +88,7 @@ def bwrap_environment(task: Any, settings: Any) -> PreparedEnvironment:
         source,
         str(settings.rootfs),
         settings.base_image,
+        str(cache_root()),  # the built roots live there: a process whose cache root changes builds afresh
     )
     with _lock:
         lock = _key_locks.setdefault(key, threading.Lock())
