@@ -45,9 +45,17 @@ def artifact_sources(task: Task, workdir: str) -> list[str]:
     >>> artifact_sources(t, "/app")
     ['/logs/artifacts', '/app/out.txt', '/app/report.json']
     """
-    artifacts = task.steps[0].artifacts if len(task.steps) == 1 else task.artifacts
-    paths = [posixpath.normpath(posixpath.join(workdir, source)) for source in (CONVENTION_DIR, *artifacts)]
+    paths = [_in_sandbox(workdir, source) for source in (CONVENTION_DIR, *_declared(task).artifacts)]
     return list(dict.fromkeys(paths))
+
+
+def _declared(task: Task):
+    """Where the task's `artifacts` (and their excludes) are: a single step's (the task's and its own), else the task's."""
+    return task.steps[0] if len(task.steps) == 1 else task
+
+
+def _in_sandbox(workdir: str, source: str) -> str:
+    return posixpath.normpath(posixpath.join(workdir, source))
 
 
 def verify_task(sandbox: Sandbox, task: Task, shared_tests: Sequence[Path] = ()) -> TestReport:
@@ -67,8 +75,7 @@ def collect_artifacts(sandbox: Sandbox, task: Task, staging: Path) -> list[tuple
     from harbor.environments.tar_transfer import copy_via_tar
 
     handed = []
-    artifacts = task.steps[0] if len(task.steps) == 1 else task
-    excludes = {posixpath.normpath(posixpath.join(sandbox.workdir, s)): p for s, p in artifacts.artifact_excludes}
+    excludes = {_in_sandbox(sandbox.workdir, s): patterns for s, patterns in _declared(task).artifact_excludes}
     for index, source in enumerate(artifact_sources(task, sandbox.workdir)):
         raw = staging / "raw" / str(index) / (posixpath.basename(source) or "root")
         try:
