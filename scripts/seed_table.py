@@ -84,10 +84,11 @@ def table(rows: list[dict], metric: str) -> str:
         f"| mean | {mean_of['base']:.3f} | {mean_of['sft']:.3f} | {mean_of['rl']:.3f} | **{mean:+.1f}** | | | |"
     )
     if len(gains) > 1:
-        stderr = statistics.stdev(gains) / math.sqrt(len(gains))
+        sd = statistics.stdev(gains)
+        stderr = sd / math.sqrt(len(gains))
         half = t_quantile(0.975, len(gains) - 1) * stderr
         lines.append(
-            f"\n{len(gains)} seeds: mean gain {mean:+.1f} pts, sd {statistics.stdev(gains):.1f}, s.e. {stderr:.1f}, "
+            f"\n{len(gains)} seeds: mean gain {mean:+.1f} pts, sd {sd:.1f}, s.e. {stderr:.1f}, "
             f"95% interval [{mean - half:+.1f}, {mean + half:+.1f}] (t, {len(gains) - 1} df)"
         )
     return "\n".join(lines)
