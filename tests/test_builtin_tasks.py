@@ -29,7 +29,6 @@ from tbexp.tasks.builtin.writer import DOCKERFILE, TEST_SH
 from tbexp.tasks.harbor_task import load_tasks
 
 TRAIN_PER_FAMILY, HELDOUT_PER_FAMILY = 40, 4
-ROOTFS = Path(os.environ.get("TBEXP_ROOTFS", Path.home() / ".cache/tbexp/rootfs"))
 DISCOVERY_COMMANDS = ("find ", "ls ", "head ", "grep -r", "tar -t", "cat ", "file ")
 # Pool dimensions the agent must find out for itself, so they are absent from the instruction on purpose.
 UNSTATED_DIMENSIONS = {("csv-groupby", "layout"), ("unknown-delimiter", "separator")}
@@ -202,14 +201,14 @@ def _instances() -> list[str]:
     return names
 
 
-def _sandbox_run(task_dir: Path, work: Path, commands: list[str]) -> tuple[str, int, int]:
-    """Run `commands` (one bwrap each) then tests/test.sh; returns (reward, tests, failed tests)."""
+def _sandbox_run(rootfs: Path, task_dir: Path, work: Path, commands: list[str]) -> tuple[str, int, int]:
+    """Run `commands` (one bwrap each) in `rootfs`, then tests/test.sh; returns (reward, tests, failed tests)."""
     mounts = ("app", "tmp", "logs", "tests", "solution")
     for name in mounts:
         (work / name).mkdir(parents=True)
     shutil.copytree(task_dir / "environment" / "app", work / "app", dirs_exist_ok=True)
     shutil.copytree(task_dir / "solution", work / "solution", dirs_exist_ok=True)
-    bwrap = ["bwrap", "--ro-bind", str(ROOTFS), "/"]
+    bwrap = ["bwrap", "--ro-bind", str(rootfs), "/"]
     for name in mounts:
         bwrap += ["--bind", str(work / name), f"/{name}"]
     bwrap += [
@@ -241,15 +240,12 @@ def _sandbox_run(task_dir: Path, work: Path, commands: list[str]) -> tuple[str, 
 
 @pytest.mark.sandbox
 @pytest.mark.parametrize("instance", _instances())
-def test_oracle_passes_and_doing_nothing_fails(suite, tmp_path, instance):
-    if shutil.which("bwrap") is None:
-        pytest.skip("bwrap is not installed (apt-get install bubblewrap)")
-    if not (ROOTFS / "usr/bin/python3").exists():
-        pytest.skip(f"no sandbox root file system at {ROOTFS} (scripts/build_rootfs.sh builds it)")
+def test_oracle_passes_and_doing_nothing_fails(rootfs, suite, tmp_path, instance):
+    # `rootfs` (tests/conftest.py): the cache root's sandbox root, built if missing; bwrap missing fails the test
     task_dir = suite / instance
-    reward, tests, failed = _sandbox_run(task_dir, tmp_path / "oracle", _solve_lines(task_dir))
+    reward, tests, failed = _sandbox_run(rootfs, task_dir, tmp_path / "oracle", _solve_lines(task_dir))
     assert (reward, failed) == ("1", 0) and tests >= 3, f"oracle: reward {reward}, {failed}/{tests} tests failed"
-    reward, tests, failed = _sandbox_run(task_dir, tmp_path / "nop", [])
+    reward, tests, failed = _sandbox_run(rootfs, task_dir, tmp_path / "nop", [])
     assert reward == "0" and 1 <= failed <= tests, f"do-nothing: reward {reward}, {failed}/{tests} tests failed"
 
 
