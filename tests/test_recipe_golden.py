@@ -16,8 +16,9 @@ ones whose episodes were checked to give the same observations in repeated runs.
 
 A change that alters the numbers on purpose (a new random stream, a new default)
 re-records: `TBEXP_RECORD_GOLDEN=1 python -m pytest tests/test_recipe_golden.py`,
-and says so in its commit. The recording is of this machine's float arithmetic
-(torch's CPU kernels, 2 threads); another machine may differ in the last digits.
+and says so in its commit. The recording is of one machine's float arithmetic
+(torch's CPU kernels, 2 threads); another machine differs in the last digits of its
+losses (FLOAT_RTOL below), never in an episode.
 """
 
 from __future__ import annotations
@@ -65,6 +66,12 @@ SMALL = [
     "grpo.concurrency=1",
 ]
 TOLERANCES: dict[str, float] = {}  # summary key (dotted) -> absolute tolerance; empty: everything bit for bit
+# Another CPU's float arithmetic: torch picks its vectorised kernels by the CPU (ATen's AVX2 or AVX-512 paths), so
+# a machine other than the recording's gives the training losses and norms in other last bits. Measured 2026-12-03
+# on an AVX-512-FP16 Xeon: 20 SFT floats moved, by at most 1.4e-6 relative; every episode, reward, count and the
+# GRPO rows stayed bit for bit. A behaviour change moves a loss far more than this, or an episode's outcome, which
+# is compared exactly. TBEXP_GOLDEN_EXACT=1 asks for bit for bit, as on the recording's machine.
+FLOAT_RTOL = 0.0 if os.environ.get("TBEXP_GOLDEN_EXACT") == "1" else 1e-5
 
 
 def _flat(tree: dict | list, prefix: str = "") -> dict:
@@ -126,6 +133,11 @@ def test_the_default_recipe_gives_the_recorded_numbers(rootfs, tmp_path):
     for key, value in want.items():
         tolerance = TOLERANCES.get(key, 0.0)
         same = got[key] == value or (isinstance(value, float) and math.isnan(value) and math.isnan(got[key]))
-        if not same and not (tolerance and abs(got[key] - value) <= tolerance):
+        close = (
+            isinstance(value, float)
+            and isinstance(got[key], float)
+            and math.isclose(got[key], value, rel_tol=FLOAT_RTOL)
+        )
+        if not same and not close and not (tolerance and abs(got[key] - value) <= tolerance):
             moved[key] = (value, got[key])
     assert not moved, "recorded -> now: " + json.dumps(moved, indent=1)
