@@ -44,7 +44,8 @@ def test_job_cores_is_the_tightest_limit(monkeypatch):
     assert job_cores(launcher_cpus=2) == 1
 
 
-def test_live_jobs_share_the_cores_and_a_dead_job_frees_its_share(tmp_path, monkeypatch):
+def test_live_jobs_share_the_cores_and_a_dead_job_frees_its_share(tmp_path, monkeypatch, caplog):
+    caplog.set_level("INFO", logger="tbexp.jobs.cpu_share")
     monkeypatch.setattr(cpu_share, "_REGISTRATION", [])
     register(tmp_path)
     assert live_jobs(tmp_path) == 1 and share(2, tmp_path) == 2
@@ -63,6 +64,13 @@ def test_live_jobs_share_the_cores_and_a_dead_job_frees_its_share(tmp_path, monk
         time.sleep(0.05)
     assert live_jobs(tmp_path) == 1 and threads() == 2
     assert not (tmp_path / f"{other.pid}.job").exists()  # the dead job's file is cleaned up
+    # each change of the thread count is said once (it moves the losses' last bits); an unchanged count is not
+    threads()
+    said = [r.getMessage() for r in caplog.records if "torch thread" in r.getMessage()]
+    assert [m.split(":")[0] for m in said] == [
+        "updates now on 1 torch thread(s), were 2",
+        "updates now on 2 torch thread(s), were 1",
+    ], said
 
 
 def test_a_job_on_other_cores_does_not_count(tmp_path, monkeypatch):

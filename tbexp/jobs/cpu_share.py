@@ -22,11 +22,13 @@ share is re-read per update, not mid-update.
 from __future__ import annotations
 
 import fcntl
+import logging
 import math
 import os
 import tempfile
 from pathlib import Path
 
+log = logging.getLogger(__name__)
 _REGISTRATION: list = []  # this process's open, locked registration file (kept open for the process's life)
 
 
@@ -62,10 +64,23 @@ class SharedThreads:
 
     def __init__(self, configured: int, cores: int, folder: Path | None = None):
         self.configured, self.cores, self.folder = configured, cores, folder
+        self.last = configured or cores  # what the job would take alone
         register(folder)
 
     def __call__(self) -> int:
-        return min(self.configured or self.cores, share(self.cores, self.folder))
+        threads = min(self.configured or self.cores, share(self.cores, self.folder))
+        if threads != self.last:
+            # Said because it moves results: sums over another number of threads round otherwise (measured: a seed's
+            # SFT losses left those of the same seed run alone when other jobs ran beside it, docs/shared-machine.md).
+            log.info(
+                "updates now on %d torch thread(s), were %d: %d tbexp job(s) share these cores; the losses' last "
+                "bits follow the thread count (backend.share_cores=false keeps it fixed)",
+                threads,
+                self.last,
+                live_jobs(self.folder),
+            )
+        self.last = threads
+        return threads
 
 
 def register(folder: Path | None = None) -> Path:
