@@ -46,6 +46,9 @@ def test_job_cores_is_the_tightest_limit(monkeypatch):
 
 def test_live_jobs_share_the_cores_and_a_dead_job_frees_its_share(tmp_path, monkeypatch, caplog):
     caplog.set_level("INFO", logger="tbexp.jobs.cpu_share")
+    # a logging config that an earlier test in the session applied may have disabled the module's logger
+    monkeypatch.setattr(cpu_share.log, "disabled", False)
+    monkeypatch.setattr(cpu_share.log, "propagate", True)
     monkeypatch.setattr(cpu_share, "_REGISTRATION", [])
     register(tmp_path)
     assert live_jobs(tmp_path) == 1 and share(2, tmp_path) == 2
