@@ -67,7 +67,7 @@ def test_live_jobs_share_the_cores_and_a_dead_job_frees_its_share(tmp_path, monk
         time.sleep(0.05)
     assert live_jobs(tmp_path) == 1 and threads() == 2
     assert not (tmp_path / f"{other.pid}.job").exists()  # the dead job's file is cleaned up
-    # each change of the thread count is said once (it moves the losses' last bits); an unchanged count is not
+    # each change of the thread count is said once (it can move the losses' last bits); an unchanged count is not
     threads()
     said = [r.getMessage() for r in caplog.records if "torch thread" in r.getMessage()]
     assert [m.split(":")[0] for m in said] == [

@@ -70,7 +70,8 @@ TOLERANCES: dict[str, float] = {}  # summary key (dotted) -> absolute tolerance;
 # a machine other than the recording's gives the training losses and norms in other last bits. Measured 2026-12-03
 # on an AVX-512-FP16 Xeon: 20 SFT floats moved, by at most 1.4e-6 relative; every episode, reward, count and the
 # GRPO rows stayed bit for bit. A behaviour change moves a loss far more than this, or an episode's outcome, which
-# is compared exactly. TBEXP_GOLDEN_EXACT=1 asks for bit for bit, as on the recording's machine.
+# moves a count (compared exactly) or a reward by at least one episode's share. TBEXP_GOLDEN_EXACT=1 asks for bit
+# for bit, as on the recording's machine.
 FLOAT_RTOL = 0.0 if os.environ.get("TBEXP_GOLDEN_EXACT") == "1" else 1e-5
 
 

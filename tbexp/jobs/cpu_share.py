@@ -70,11 +70,11 @@ class SharedThreads:
     def __call__(self) -> int:
         threads = min(self.configured or self.cores, share(self.cores, self.folder))
         if threads != self.last:
-            # Said because it moves results: sums over another number of threads round otherwise (measured: a seed's
-            # SFT losses left those of the same seed run alone when other jobs ran beside it, docs/shared-machine.md).
+            # Said because it moves results: a seed's SFT losses left those of the same seed at fixed threads when
+            # its share changed while other jobs ran beside it (docs/shared-machine.md).
             log.info(
                 "updates now on %d torch thread(s), were %d: %d tbexp job(s) share these cores; the losses' last "
-                "bits follow the thread count (backend.share_cores=false keeps it fixed)",
+                "bits can move with it (backend.share_cores=false keeps it fixed)",
                 threads,
                 self.last,
                 live_jobs(self.folder),
