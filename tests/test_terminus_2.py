@@ -6,6 +6,7 @@ The message-for-message comparison with Harbor's own Terminus2 is tests/test_ter
 from __future__ import annotations
 
 import json
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -99,6 +100,18 @@ def test_oracle_solves_and_nop_fails_in_a_pane(policy, rootfs, tmp_path):
     if policy == "oracle":  # the keystrokes reached a real shell, which kept the `cd`
         assert "tbexp-oracle-42" in episode.messages[-2]["content"] + episode.messages[-4]["content"]
     assert len(episode.turns) == (5 if policy == "oracle" else 2)
+
+
+@pytest.mark.sandbox
+def test_harbors_keystroke_log_stays_off_the_console(rootfs, tmp_path, caplog):
+    # Harbor's logger is at DEBUG from its import on; its TmuxSession logs every send-keys there.
+    caplog.set_level(logging.DEBUG)  # the root and the capture take everything; only Harbor's own level filters
+    cfg = compose_config("agent=terminus_2")
+    task = load_task(make_task(tmp_path, solution="cd /app\necho done > out.txt\n"))
+    episode = run_episode(task, 0, make_agent(cfg.agent), lambda t, a: make_policy("oracle", t, a), cfg.sandbox, 20)
+    assert episode.report.rewards["reward"] == 1.0
+    harbor_debug = [r.getMessage() for r in caplog.records if r.name.startswith("harbor") and r.levelno < logging.INFO]
+    assert not harbor_debug, harbor_debug[:3]
 
 
 @pytest.mark.sandbox

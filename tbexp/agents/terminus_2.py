@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import shlex
 import time
@@ -68,6 +69,9 @@ class Terminus2Agent(Agent):
             )
         from harbor.agents.terminus_2 import terminus_2 as harbor_terminus
 
+        # Harbor sets its logger to DEBUG on import and its TmuxSession logs every keystroke there: hundreds of
+        # lines a minute on the console that bury the job's own log (run_trials quiets Harbor's trials alike).
+        logging.getLogger("harbor.utils.logger").setLevel(logging.INFO)
         self.harbor = harbor_terminus
         templates = Path(harbor_terminus.__file__).parent / "templates"
         self.prompt_template = (templates / TEMPLATES[settings.parser]).read_text()
