@@ -100,6 +100,21 @@ def test_overlong_conversations_are_counted(gold, tmp_path, monkeypatch):
     assert metrics["sft/truncated_overlong"] > 0 and metrics["sft/dropped_overlong"] == 0
 
 
+def test_replies_longer_than_the_sampler_writes_are_warned_of(gold, caplog):
+    from tbexp.episodes.trajectories import read_conversations
+    from tbexp.models import load_model
+    from tbexp.models.renderers import make_renderer
+
+    cfg = compose_config()
+    renderer = make_renderer(cfg.model.renderer, load_model(cfg.model)[1])
+    conversations = read_conversations(gold)
+    sft_stage._warn_of_long_replies(conversations, renderer, cfg.sampling.max_tokens)
+    assert not caplog.records  # the default job's raw commands fit the default sampling.max_tokens
+    sft_stage._warn_of_long_replies(conversations, renderer, 4)
+    n_replies = sum(m["role"] == "assistant" for c in conversations for m in c)
+    assert f"of {n_replies} replies in the data are longer than sampling.max_tokens=4" in caplog.text
+
+
 @pytest.mark.parametrize(
     "content,needle",
     [

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+from itertools import groupby
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +77,7 @@ def train(job: Any, data: Path, out: Path) -> SFTResult:
     renderer = make_renderer(cfg.model.renderer, backend.tokenizer)
     max_len = s.max_length_tokens or cfg.model.max_length_tokens
     train, val, counts = _datums(conversations, renderer, max_len, s.overlong, s.val_fraction, cfg.seed)
+    _warn_of_long_replies(conversations, renderer, cfg.sampling.max_tokens)
     resume = state.get("resume_checkpoint") or (state["evals"][-1]["checkpoint"] if state["evals"] else "")
     if resume:  # the last checkpoint saved: an evaluation's, save_every's, or the one saved on SLURM's signal
         backend.load_state(resume)
@@ -180,6 +182,28 @@ def _datums(conversations, renderer, max_len: int, overlong: str, val_fraction: 
             "truncated_overlong": truncated,
         },
     )
+
+
+def _warn_of_long_replies(conversations: list, renderer, max_tokens: int) -> None:
+    """Say when the data's replies are longer than the sampler lets the trained policy write.
+
+    The checkpoint would learn replies that evaluation and RL cut at `sampling.max_tokens`: terminus-2's JSON
+    replies, for one, run to 100-200 tokens of the tiny model where a raw command is a few dozen.
+    """
+    lengths = []
+    for messages in conversations:
+        _, weights = renderer.supervised(messages)
+        lengths += [len(list(run)) for weight, run in groupby(weights) if weight]
+    long = [n for n in lengths if n > max_tokens]
+    if long:
+        log.warning(
+            "sft: %d of %d replies in the data are longer than sampling.max_tokens=%d (the longest %d tokens, end "
+            "of turn included): the trained policy's replies will be cut there; raise sampling.max_tokens",
+            len(long),
+            len(lengths),
+            max_tokens,
+            max(long),
+        )
 
 
 def _split(conversations: list, val_fraction: float, seed: int) -> tuple[list, list]:
