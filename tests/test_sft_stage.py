@@ -108,9 +108,10 @@ def test_replies_longer_than_the_sampler_writes_are_warned_of(gold, caplog):
     cfg = compose_config()
     renderer = make_renderer(cfg.model.renderer, load_model(cfg.model)[1])
     conversations = read_conversations(gold)
-    sft_stage._warn_of_long_replies(conversations, renderer, cfg.sampling.max_tokens)
+    lengths = sft_stage._datums(conversations, renderer, 10**6, "drop", 0.25, 0)[3]
+    sft_stage._warn_of_long_replies(lengths, cfg.sampling.max_tokens)
     assert not caplog.records  # the default job's raw commands fit the default sampling.max_tokens
-    sft_stage._warn_of_long_replies(conversations, renderer, 4)
+    sft_stage._warn_of_long_replies(lengths, 4)
     n_replies = sum(m["role"] == "assistant" for c in conversations for m in c)
     assert f"of {n_replies} replies in the data are longer than sampling.max_tokens=4" in caplog.text
 

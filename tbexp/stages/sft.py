@@ -76,8 +76,8 @@ def train(job: Any, data: Path, out: Path) -> SFTResult:
     backend = job.models.trainer(out / "checkpoints")
     renderer = make_renderer(cfg.model.renderer, backend.tokenizer)
     max_len = s.max_length_tokens or cfg.model.max_length_tokens
-    train, val, counts = _datums(conversations, renderer, max_len, s.overlong, s.val_fraction, cfg.seed)
-    _warn_of_long_replies(conversations, renderer, cfg.sampling.max_tokens)
+    train, val, counts, reply_lengths = _datums(conversations, renderer, max_len, s.overlong, s.val_fraction, cfg.seed)
+    _warn_of_long_replies(reply_lengths, cfg.sampling.max_tokens)
     resume = state.get("resume_checkpoint") or (state["evals"][-1]["checkpoint"] if state["evals"] else "")
     if resume:  # the last checkpoint saved: an evaluation's, save_every's, or the one saved on SLURM's signal
         backend.load_state(resume)
@@ -142,12 +142,14 @@ def _datums(conversations, renderer, max_len: int, overlong: str, val_fraction: 
 
     train_rows, val_rows = _split(conversations, val_fraction, seed)
     dropped, truncated = 0, 0
+    reply_lengths: list[int] = []  # every reply's tokens, end of turn included, before any truncation
 
     def render(rows):
         nonlocal dropped, truncated
         datums = []
         for messages in rows:
             tokens, weights = renderer.supervised(messages)
+            reply_lengths.extend(_reply_lengths(weights))
             if len(tokens) > max_len:
                 if overlong == "drop":
                     dropped += 1
@@ -181,19 +183,21 @@ def _datums(conversations, renderer, max_len: int, overlong: str, val_fraction: 
             "dropped_overlong": dropped,
             "truncated_overlong": truncated,
         },
+        reply_lengths,
     )
 
 
-def _warn_of_long_replies(conversations: list, renderer, max_tokens: int) -> None:
+def _reply_lengths(weights: list[float]) -> list[int]:
+    """The length of each reply in a rendered conversation: its runs of weight-1 tokens."""
+    return [len(list(run)) for weight, run in groupby(weights) if weight]
+
+
+def _warn_of_long_replies(lengths: list[int], max_tokens: int) -> None:
     """Say when the data's replies are longer than the sampler lets the trained policy write.
 
     The checkpoint would learn replies that evaluation and RL cut at `sampling.max_tokens`: terminus-2's JSON
     replies, for one, run to 100-200 tokens of the tiny model where a raw command is a few dozen.
     """
-    lengths = []
-    for messages in conversations:
-        _, weights = renderer.supervised(messages)
-        lengths += [len(list(run)) for weight, run in groupby(weights) if weight]
     long = [n for n in lengths if n > max_tokens]
     if long:
         log.warning(
