@@ -281,7 +281,10 @@ class EvalConfig:
 class HarborConfig:
     """The Harbor harness (eval.harness=harbor): which Harbor agent and environment run the trials."""
 
-    agent: str = "terminus-2"  # policy=model's agent; terminus-2 samples from tbexp's backend; oracle/nop are Harbor's
+    # policy=model's agent: "" = the one that speaks agent='s protocol: Harbor's terminus-2 for terminus_2 and
+    # terminus_shell, tbexp-command (tbexp's raw_command as a Harbor agent) for raw_command; both sample from tbexp's
+    # backend. Any other Harbor agent name brings its own model connection. oracle/nop are Harbor's.
+    agent: str = ""
     agent_kwargs: dict[str, Any] = field(default_factory=dict)  # the agent's own options, e.g. parser_name: xml
     summarize: bool = False  # terminus-2's context summarization (off: a known source of degenerate episodes)
     # "" = tbexp's own sandbox (sandbox=bwrap|docker) as a Harbor environment; else a Harbor environment type:

@@ -161,6 +161,42 @@ def test_terminus_2_samples_from_the_tiny_model_in_tmux(rootfs, tmp_path):
         assert advantaged == [t.offset + i for t in ep.sampled.turns for i in range(len(t.tokens))]
 
 
+@pytest.mark.slow
+@pytest.mark.sandbox
+def test_raw_command_through_harbor_is_the_native_episode(rootfs, tmp_path):
+    """The default job's protocol in Harbor's trials (tbexp's command agent) against tbexp's own loop: same draws,
+    so the same messages, commands, exit statuses, tokens and test results, episode for episode."""
+    from tbexp.build import run_policy
+
+    job = compose_job(*SMALL, "policy=model", "agent.max_turns=4")
+    assert harbor_trials.harbor_agent(job.cfg) == "tbexp-command"
+    runtime = job.models.runtime(job.models.sampler(""), job.cfg.sampling, stream(job.cfg.seed, "eval"))
+    tasks = job.tasks("heldout")
+    # One episode at a time: batched sampling may round a logit's last bit otherwise, and a draw can tip on it.
+    native = sorted(
+        run_policy(job, tasks, 3, 1, "model", runtime, desc="native"), key=lambda ep: (ep.task.name, ep.run)
+    )
+    harbor = harbor_trials.run_trials(job.cfg, tasks, 3, 1, "model", runtime, tmp_path, "harbor")
+    harbor.sort(key=lambda ep: (ep.task.name, ep.run))
+
+    def commands(ep):
+        return [(t.reply, t.action.commands, [(r.output, r.exit_code) for r in t.results]) for t in ep.turns]
+
+    assert len(native) == len(harbor) == 9
+    assert sum(len(t.results) for ep in native for t in ep.turns) >= 6  # commands ran, so observations are compared
+    for mine, theirs in zip(native, harbor):
+        assert not mine.invalid and not theirs.invalid, (mine.invalid, theirs.invalid)
+        assert theirs.messages == mine.messages
+        assert commands(theirs) == commands(mine)
+        assert theirs.sampled.tokens == mine.sampled.tokens
+        assert [t.logprobs for t in theirs.sampled.turns] == [t.logprobs for t in mine.sampled.turns]
+        assert theirs.report.tests == mine.report.tests and theirs.report.tests
+        trial = json.loads(
+            (tmp_path / f"{mine.task.name.replace('/', '_')}__run{mine.run}" / "result.json").read_text()
+        )
+        assert trial["agent_info"]["name"] == "tbexp-command" and trial["verifier_result"] is not None
+
+
 def test_harbor_environments_are_chosen_by_name_and_need_their_keys(monkeypatch, tmp_path):
     monkeypatch.delenv("E2B_API_KEY", raising=False)
     with pytest.raises(harbor_trials.HarborSetupError, match="harbor.environment=e2b: .*E2B_API_KEY"):
@@ -181,13 +217,14 @@ def test_harbor_environments_are_chosen_by_name_and_need_their_keys(monkeypatch,
 
 @pytest.mark.slow
 @pytest.mark.sandbox
-def test_grpo_takes_its_rollouts_through_harbor(rootfs, tmp_path, monkeypatch):
+@pytest.mark.parametrize("agent", ["terminus_json", "raw_command"])  # Harbor's terminus-2; tbexp's command agent
+def test_grpo_takes_its_rollouts_through_harbor(rootfs, tmp_path, monkeypatch, agent):
     from tbexp.stages import grpo as grpo_stage
 
     monkeypatch.chdir(tmp_path)
     overrides = ["stage=grpo", "policy=model", "task_filter=none", "task_filter.max_tasks=0", "tasks.limit=1"]
     overrides += ["grpo.harness=harbor", "grpo.steps=1", "grpo.groups_per_step=1", "grpo.group_size=2"]
-    overrides += ["grpo.eval_every=1", "grpo.eval_n_runs=1", "agent=terminus_json", "agent.max_turns=2"]
+    overrides += ["grpo.eval_every=1", "grpo.eval_n_runs=1", f"agent={agent}", "agent.max_turns=2"]
     grpo_stage.run(compose_job(*overrides))
     (step,) = [
         json.loads(line)

@@ -97,17 +97,25 @@ class ShellSession:
         self.workdir = workdir
 
     def run(self, command: str, timeout_s: float | None = None) -> ExecResult:
-        if "\x00" in command:  # no process can receive it as an argument: a bash that cannot run it says 126
-            return ExecResult("bash: the command contains a NUL byte and cannot be run", 126)
-        s = self.STATE
-        # Shell builtins only (no `cat`, no `mkdir` unless needed): every fork is CPU the tests need.
-        script = (
-            f'{{ IFS= read -r __tbexp_cwd < {s}/cwd && cd "$__tbexp_cwd"; }} 2>/dev/null || cd {shlex.quote(self.workdir)} 2>/dev/null; '
-            f"[ -f {s}/env ] && . {s}/env 2>/dev/null; "
-            f"eval {shlex.quote(command)}\n"
-            f"__tbexp_rc=$?; {{ [ -d {s} ] || mkdir -p {s}; }} && pwd > {s}/cwd && export -p > {s}/env; exit $__tbexp_rc"
-        )
-        return self.sandbox.exec(script, timeout_s)
+        if "\x00" in command:
+            return NUL_COMMAND
+        return self.sandbox.exec(shell_script(command, self.workdir), timeout_s)
+
+
+# No process can receive a NUL byte as an argument: a bash that cannot run the command says 126.
+NUL_COMMAND = ExecResult("bash: the command contains a NUL byte and cannot be run", 126)
+
+
+def shell_script(command: str, workdir: str) -> str:
+    """`command` wrapped to run in the directory and with the exports the previous command left (ShellSession.STATE)."""
+    s = ShellSession.STATE
+    # Shell builtins only (no `cat`, no `mkdir` unless needed): every fork is CPU the tests need.
+    return (
+        f'{{ IFS= read -r __tbexp_cwd < {s}/cwd && cd "$__tbexp_cwd"; }} 2>/dev/null || cd {shlex.quote(workdir)} 2>/dev/null; '
+        f"[ -f {s}/env ] && . {s}/env 2>/dev/null; "
+        f"eval {shlex.quote(command)}\n"
+        f"__tbexp_rc=$?; {{ [ -d {s} ] || mkdir -p {s}; }} && pwd > {s}/cwd && export -p > {s}/env; exit $__tbexp_rc"
+    )
 
 
 @dataclass

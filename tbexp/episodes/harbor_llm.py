@@ -67,6 +67,7 @@ class Conversation:
     logprobs: list[list[float]] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)  # per call, the reply's text
     sample_s: float = 0.0
+    turns: list[Any] = field(default_factory=list)  # a command agent's turns as run (exit statuses); [] for terminus-2
 
 
 def serve(runtime: ModelRuntime) -> str:
@@ -80,6 +81,18 @@ def serve(runtime: ModelRuntime) -> str:
 def withdraw(key: str) -> None:
     with _registry_lock:
         _runtimes.pop(key, None)
+
+
+def claim(policy_key: str, trial_key: str = "") -> tuple[ModelRuntime, Conversation]:
+    """For an agent Harbor built: the runtime `serve` registered under `policy_key`, and a new record of what its
+    LLM sees, which `conversation(trial_key)` hands to the harness after the trial."""
+    with _registry_lock:
+        if policy_key not in _runtimes:
+            raise KeyError(f"tbexp_policy={policy_key!r}: no runtime served under that key (see serve())")
+        record = Conversation()
+        if trial_key:
+            _conversations[trial_key] = record
+        return _runtimes[policy_key], record
 
 
 def conversation(trial_key: str) -> Conversation | None:
@@ -158,12 +171,8 @@ class TbexpTerminus2(Terminus2):
     """Harbor's terminus-2, sampling from tbexp: kwargs `tbexp_policy` (from `serve`), `tbexp_trial`, `tbexp_seed`."""
 
     def __init__(self, *args: Any, tbexp_policy: str, tbexp_trial: str = "", tbexp_seed: int | None = None, **kwargs):
-        with _registry_lock:
-            if tbexp_policy not in _runtimes:
-                raise KeyError(f"tbexp_policy={tbexp_policy!r}: no runtime served under that key (see serve())")
-            self._tbexp = (_runtimes[tbexp_policy], tbexp_seed, Conversation())
-            if tbexp_trial:
-                _conversations[tbexp_trial] = self._tbexp[2]
+        runtime, record = claim(tbexp_policy, tbexp_trial)
+        self._tbexp = (runtime, tbexp_seed, record)
         kwargs.setdefault("model_name", "tbexp")
         super().__init__(*args, **kwargs)
 

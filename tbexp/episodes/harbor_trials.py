@@ -4,10 +4,12 @@
 and turns each `TrialResult` into a tbexp `Episode`, so the eval stage scores
 them with the same `tbexp.episodes.scoring` as its native episodes:
 
-* the agent: `policy=model` runs `harbor.agent` (terminus-2 by default, as
-  `tbexp.episodes.harbor_llm.TbexpTerminus2`, sampling from the job's backend
-  with rollout details on); `policy=oracle` / `nop` run Harbor's own `oracle`
-  and `nop` agents.
+* the agent: `policy=model` runs `harbor.agent`; by default the one that speaks
+  the job's `agent=` protocol: Harbor's terminus-2 for the terminus agents (as
+  `tbexp.episodes.harbor_llm.TbexpTerminus2`, rollout details on), tbexp's
+  raw_command as a Harbor agent (`tbexp.episodes.harbor_command_agent`) for
+  `agent=raw_command`, both sampling from the job's backend; `policy=oracle` /
+  `nop` run Harbor's own `oracle` and `nop` agents.
 * the environment: `harbor.environment=""` is tbexp's own sandbox as a Harbor
   environment (`tbexp.sandboxes.harbor_env`, `sandbox=bwrap|docker`); any other
   value is a Harbor environment type (daytona, modal, e2b, ...), whose own
@@ -19,10 +21,11 @@ them with the same `tbexp.episodes.scoring` as its native episodes:
   Harbor still grades is scored, as in Harbor. The test report is read from the
   trial's downloaded `verifier/` directory by tbexp's own reader (per-test
   results from CTRF/JUnit, the task's rewards), else Harbor's rewards alone.
-* the turns: one per LLM call, each reply parsed by Harbor's own terminus
-  parser; a reply that parses has its keystrokes counted as valid commands
-  (the tmux pane reports no exit status, so "valid" here means "parsed and
-  sent to the pane"); one that does not counts as one invalid attempt.
+* the turns: the command agent's own, with their exit statuses, as in the
+  native eval; terminus-2's are one per LLM call, each reply parsed by Harbor's
+  own terminus parser; a reply that parses has its keystrokes counted as valid
+  commands (the tmux pane reports no exit status, so "valid" here means "parsed
+  and sent to the pane"); one that does not counts as one invalid attempt.
 * the tokens: the first rollout detail (the main agent's chat), when its turns
   are one linear conversation, becomes `Episode.sampled` (prompt tokens, the
   sampled tokens at their offsets, their logprobs), which training reads
@@ -50,7 +53,7 @@ from harbor.models.trial.paths import TrialPaths  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from tbexp.agents.base import Action, Turn  # noqa: E402
-from tbexp.episodes import harbor_llm  # noqa: E402
+from tbexp.episodes import harbor_command_agent, harbor_llm  # noqa: E402
 from tbexp.episodes.policies import SampledTokens, SampledTurn  # noqa: E402
 from tbexp.episodes.rollout import Episode  # noqa: E402
 from tbexp.episodes.verifier import TestReport, VerifierError, read_results  # noqa: E402
@@ -96,14 +99,41 @@ def environment_config(cfg: Any) -> EnvironmentConfig:
     return config
 
 
-def agent_config(cfg: Any, policy: str, policy_key: str, trial_key: str, seed: int | None) -> AgentConfig:
-    """Harbor's agent for one trial: terminus-2 over tbexp's sampler, or the Harbor agent named."""
+def harbor_agent(cfg: Any) -> str:
+    """`harbor.agent`, where "" follows `agent=`: Harbor's terminus-2 for the terminus protocols, tbexp's command
+    agent (`harbor_command_agent.TbexpCommandAgent`) for raw_command.
+
+    >>> from types import SimpleNamespace as N
+    >>> harbor_agent(N(harbor=N(agent=""), agent=N(name="raw_command")))
+    'tbexp-command'
+    >>> harbor_agent(N(harbor=N(agent=""), agent=N(name="terminus_2")))
+    'terminus-2'
+    """
+    if cfg.harbor.agent:
+        return cfg.harbor.agent
+    return harbor_command_agent.NAME if cfg.agent.name == "raw_command" else TERMINUS_2
+
+
+def agent_config(cfg: Any, policy: str, policy_key: str, trial_key: str, seed: int | None, task: Any) -> AgentConfig:
+    """Harbor's agent for one trial: terminus-2 or tbexp's command agent over tbexp's sampler, or the agent named."""
     if policy in ("oracle", "nop"):
         return AgentConfig(name=policy)
     h = cfg.harbor
     kwargs = OmegaConf.to_container(h.agent_kwargs, resolve=True) or {}
-    if h.agent != TERMINUS_2:  # any other Harbor agent brings its own model connection
-        return AgentConfig(name=h.agent, kwargs=kwargs)
+    name = harbor_agent(cfg)
+    served = {"tbexp_policy": policy_key, "tbexp_trial": trial_key, "tbexp_seed": seed}
+    if name == harbor_command_agent.NAME:
+        kwargs = {
+            **kwargs,
+            "tbexp_agent": OmegaConf.to_container(cfg.agent, resolve=True),
+            "tbexp_workdir": task.workdir,
+            "tbexp_command_timeout_s": cfg.sandbox.command_timeout_s,
+            **served,
+        }
+        import_path = f"{harbor_command_agent.__name__}:{harbor_command_agent.TbexpCommandAgent.__name__}"
+        return AgentConfig(import_path=import_path, model_name=f"tbexp/{cfg.model.name}", kwargs=kwargs)
+    if name != TERMINUS_2:  # any other Harbor agent brings its own model connection
+        return AgentConfig(name=name, kwargs=kwargs)
     kwargs = {
         "max_turns": cfg.agent.max_turns,
         "enable_summarize": h.summarize,
@@ -111,9 +141,7 @@ def agent_config(cfg: Any, policy: str, policy_key: str, trial_key: str, seed: i
         "record_terminal_session": False,  # asciinema is not in the sandbox images, and nothing reads the recording
         "suppress_max_turns_warning": True,
         **kwargs,
-        "tbexp_policy": policy_key,
-        "tbexp_trial": trial_key,
-        "tbexp_seed": seed,
+        **served,
     }
     return AgentConfig(
         import_path=f"{harbor_llm.__name__}:TbexpTerminus2", model_name=f"tbexp/{cfg.model.name}", kwargs=kwargs
@@ -161,7 +189,7 @@ async def _run_all(cfg, jobs, concurrency, policy, policy_key, runtime, environm
             task=TaskConfig(path=task.path),
             trial_name=name,
             trials_dir=trials_dir,
-            agent=agent_config(cfg, policy, policy_key, name, seed),
+            agent=agent_config(cfg, policy, policy_key, name, seed, task),
             environment=environment,
         )
         async with gate:
@@ -202,7 +230,8 @@ def to_episode(task: Any, run: int, result: Any, conversation: Any, parser: Any)
         return episode
     if conversation is not None:
         episode.messages = conversation.messages
-        episode.turns = [_turn(text, parser) for text in conversation.texts]
+        # A command agent's turns carry their exit statuses; terminus-2's are its replies, parsed as Harbor parses them.
+        episode.turns = conversation.turns or [_turn(text, parser) for text in conversation.texts]
     episode.time_s = _phases(result)
     if not result.reward_valid:
         info = result.exception_info

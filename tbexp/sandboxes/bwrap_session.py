@@ -76,7 +76,8 @@ class BwrapSessionSandbox(BwrapSandbox):
         env = {"PATH": PATH, "HOME": home, "LANG": "C.UTF-8", "TERM": "xterm", **self.env.env}
         enter = ["nsenter", "-t", str(self.init_pid), "-U", "-m", "-p", "-n", "-i", "-u", "-r"]  # the init's root
         enter += ["-S", str(uid), "-G", str(gid)]
-        script = f"cd -- {shlex.quote(self.workdir)} || exit 1\n{command}"  # bwrap's init keeps the host's cwd
+        # bwrap's init keeps the host's cwd. On the command's first line, so bash reports its line numbers as bwrap's.
+        script = f"cd -- {shlex.quote(self.workdir)} || exit 1; {command}"
         return [*enter, "env", "-i", *(f"{k}={v}" for k, v in env.items()), "bash", "-c", script]
 
     def stop(self) -> None:

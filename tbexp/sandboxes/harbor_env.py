@@ -174,16 +174,17 @@ class SandboxEnvironment(BaseEnvironment):
 
 
 def _with_cwd_and_env(command: str, cwd: str | None, env: dict[str, str] | None) -> str:
-    """`command` preceded by the `cd` and `export`s Harbor asked for, on lines of their own.
+    """`command` preceded by the `cd` and `export`s Harbor asked for, on its own first line, so the command's line
+    numbers (in bash's error messages) are those it has alone, as where Harbor's environments pass `env` to the
+    process.
 
-    >>> print(_with_cwd_and_env("ls", "/app", {"A": "1 2"}))
-    cd -- /app || exit 1
-    export A='1 2'
-    ls
+    >>> print(_with_cwd_and_env("ls\\nwc", "/app", {"A": "1 2"}))
+    cd -- /app || exit 1; export A='1 2'; ls
+    wc
     """
-    lines = [f"cd -- {shlex.quote(cwd)} || exit 1"] if cwd else []
-    lines += [f"export {key}={shlex.quote(str(value))}" for key, value in (env or {}).items()]
-    return "\n".join([*lines, command])
+    setup = [f"cd -- {shlex.quote(cwd)} || exit 1"] if cwd else []
+    setup += [f"export {key}={shlex.quote(str(value))}" for key, value in (env or {}).items()]
+    return "; ".join([*setup, command])
 
 
 @dataclass
