@@ -353,6 +353,9 @@ class GRPOConfig:
         Normalize.token
     )  # token: loss = mean over the step's sampled tokens | episode: mean over episodes of their token means
     kl_coef: float = 0.0  # penalty on log(pi/pi_start) of the sampled tokens; 0 = off
+    # with model.logit_scale: the KL's reference is the starting weights at the policy's current logit scale, so the
+    # penalty holds the LoRA's drift but not the sharpening the scale learns (docs/experiments.md)
+    kl_scaled_reference: bool = False
     concurrency: int = 8  # episodes at once
     eval_every: int = 5  # steps between held-out evals (each keeps its checkpoint); the start is evaluated too
     eval_n_runs: int = 2  # runs per held-out task in those evals
@@ -540,6 +543,11 @@ def check(cfg: Any) -> None:
     if g.logit_scale_lr_factor < 0:
         raise ConfigError(
             f"grpo.logit_scale_lr_factor={g.logit_scale_lr_factor}: must be >= 0 (0 keeps the logit scale where it starts)"
+        )
+    if g.kl_scaled_reference and not (g.kl_coef and cfg.model.logit_scale):
+        raise ConfigError(
+            f"grpo.kl_scaled_reference=true needs grpo.kl_coef > 0 (is {g.kl_coef}) and model.logit_scale=true "
+            f"(is {cfg.model.logit_scale}): it changes the KL's reference scale"
         )
 
 

@@ -100,6 +100,8 @@ def test_wrong_type_is_refused():
         (["grpo.clip_low_threshold=1.1"], "need low < 1 < high"),
         (["grpo.negative_weight=-0.5"], "grpo.negative_weight"),
         (["grpo.logit_scale_lr_factor=-1"], "grpo.logit_scale_lr_factor"),
+        (["grpo.kl_scaled_reference=true", "grpo.kl_coef=0"], "grpo.kl_scaled_reference=true needs grpo.kl_coef > 0"),
+        (["grpo.kl_scaled_reference=true", "model.logit_scale=false"], "and model.logit_scale=true"),
         (["backend.train_threads=-1"], "backend.train_threads"),
     ],
 )

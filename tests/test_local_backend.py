@@ -352,6 +352,30 @@ def test_logit_scale_multiplies_the_logits_for_training_and_sampling(tmp_path, m
     assert teacher_forced == pytest.approx(doubled.tolist(), abs=1e-4)
 
 
+@pytest.mark.parametrize("merge", [False, True])
+def test_a_scaled_reference_is_the_start_at_the_policys_current_scale(tmp_path, merge):
+    from tbexp.backends.logit_scale import ScaledReference
+
+    b = backend(tmp_path, logit_scale=True, merge_for_sampling=merge)
+    (name,) = [n for n in b._params if "lora_" not in n]
+    with torch.no_grad():
+        b._params[name].fill_(math.log(1.25))  # the scale GRPO starts from
+    reference = ScaledReference(b.sampler(), b)
+    assert b.logit_scale() == pytest.approx(1.25)
+    b._detach_samplers()  # what optim_step does before the weights change
+    with torch.no_grad():
+        b._params[name].fill_(math.log(2.0))  # the policy sharpened since
+    tokens = random_tokens(15, seed=8)
+    logits = tiny_llama()(input_ids=torch.tensor([tokens])).logits[0, :-1].float()  # LoRA's B is 0: the base's
+    # The reference's logits are its own (1.25 x base) times 2 / 1.25: the base's times 2, the policy's scale now.
+    doubled = torch.log_softmax(2 * logits, -1).gather(1, torch.tensor(tokens[1:])[:, None]).squeeze(1)
+    got = reference.compute_logprobs(types.ModelInput.from_ints(tokens)).result()[1:]
+    assert got == pytest.approx(doubled.tolist(), abs=1e-4)
+    plain = reference.sampler.compute_logprobs(types.ModelInput.from_ints(tokens)).result()[1:]
+    at_start = torch.log_softmax(1.25 * logits, -1).gather(1, torch.tensor(tokens[1:])[:, None]).squeeze(1)
+    assert plain == pytest.approx(at_start.tolist(), abs=1e-4)  # the plain reference stays at the starting scale
+
+
 @pytest.mark.parametrize("factor", [0.0, 10.0])
 def test_logit_scale_trains_at_its_lr_factor_and_loads_from_checkpoints_without_it(tmp_path, factor):
     b = backend(tmp_path, logit_scale=True, logit_scale_lr_factor=factor)

@@ -322,6 +322,13 @@ class LocalBackend(TrainingBackend):
                 stats["logit_scale"] = float(self._params[self._scale_name].detach().exp())
         return Done(stats)
 
+    def logit_scale(self) -> float:
+        """The learnt logit scale of the live weights (model.logit_scale); 1.0 for a model without one."""
+        if not self._scale_name:
+            return 1.0
+        with self._lock:
+            return float(self._params[self._scale_name].detach().exp())
+
     def restart(self, save_dir: str | Path, logit_scale_lr_factor: float = 0.0) -> None:
         """A new training run on the loaded base model, as a newly built backend starts it: the initial trainable
         weights, a fresh optimizer, step 0, checkpoints under `save_dir`. Samplers handed out keep their weights."""
@@ -531,10 +538,14 @@ class LocalSampler(Sampler):
                 )
             )
 
-    def compute_logprobs(self, prompt: types.ModelInput) -> Future[list[float | None]]:
+    def compute_logprobs(self, prompt: types.ModelInput, logit_scale: float = 1.0) -> Future[list[float | None]]:
+        """Each token's logprob given the ones before it; `logit_scale` multiplies W·h of the head, as
+        model.logit_scale's factor does (a reference at another policy's scale: grpo.kl_scaled_reference)."""
         tokens_T = torch.tensor(prompt.to_ints(), dtype=torch.long, device=self._backend.device)
         with self._model() as (_, lm), torch.no_grad():
             hidden_T_D = lm.get_decoder()(input_ids=tokens_T[None], use_cache=False).last_hidden_state[0]
+            if logit_scale != 1.0:
+                hidden_T_D = hidden_T_D * logit_scale
             head = lm.get_output_embeddings()
             logp_T = target_logprobs(hidden_T_D[:-1], head.weight, tokens_T[1:], head.bias)
         return Done([None] + logp_T.float().cpu().tolist())

@@ -50,3 +50,16 @@ def add_logit_scale(lm) -> None:
 
 def is_logit_scale(name: str) -> bool:
     return name.endswith(f"norm.{PARAMETER}")
+
+
+class ScaledReference:
+    """A sampler's weights at another backend's current logit scale: its logits times (the backend's scale now /
+    its scale when this was made). GRPO's KL reference with grpo.kl_scaled_reference: the starting weights as
+    sharp as the policy is now, so the penalty holds what the LoRA changed, not how sharply the policy samples."""
+
+    def __init__(self, sampler, backend):
+        self.sampler, self.backend = sampler, backend
+        self.start_scale = backend.logit_scale()
+
+    def compute_logprobs(self, prompt):
+        return self.sampler.compute_logprobs(prompt, logit_scale=self.backend.logit_scale() / self.start_scale)

@@ -23,7 +23,8 @@ solved (`tbexp.episodes.difficulty`).
 Advantages are divided by the number of sampled tokens in the step
 (`normalize`), so the summed loss Tinker defines is a mean and a learning rate
 means the same at any group size. With `kl_coef` > 0 the KL estimate is
-against the starting weights.
+against the starting weights; with `kl_scaled_reference`, against the starting
+weights at the policy's current logit scale (`backends.logit_scale.ScaledReference`).
 
 Resuming: `grpo_state.json` names the last checkpoint (weights, optimizer,
 RNG, step); the tasks of a step and every reply's sampling seed are
@@ -119,6 +120,10 @@ def train(job: Any, start: str, tasks: list, out: Path) -> RLResult:
     state = json.loads(state_path.read_text()) if state_path.exists() else {"step": 0, "checkpoint": "", "evals": []}
     backend = job.models.trainer(out / "checkpoints", start, logit_scale_lr_factor=g.logit_scale_lr_factor)
     reference = backend.sampler() if g.kl_coef else None  # a snapshot of the starting weights
+    if reference is not None and g.kl_scaled_reference:
+        from tbexp.backends.logit_scale import ScaledReference
+
+        reference = ScaledReference(reference, backend)
     if state["checkpoint"]:
         backend.load_state(state["checkpoint"])  # a resumed run: its optimizer and random state too
         log.info("grpo: resuming after step %d from %s", state["step"], state["checkpoint"])
