@@ -23,8 +23,10 @@ step. Also the sandbox-seconds summed over concurrent episodes (`env`,
 phase. Not a test: the numbers are the output.
 
 With `--compare` it runs the same steps once per variant (`VARIANTS`: the
-synchronous loop, `grpo.max_off_policy_steps=1`, and that with the updates on one
-torch thread so the sampler keeps the other core), each from the same checkpoint
+synchronous loop with the sampler's forward passes through transformers, as
+before `tbexp.backends.llama_steps`; the synchronous loop; `grpo.max_off_policy_steps=1`;
+and that with the updates on one torch thread so the sampler keeps the other
+core), each from the same checkpoint
 on the same RL tasks, and prints per variant: the steps' wall time (the sum of
 `time/step`: in a pipelined run the wait for rollouts plus the update; checkpoint
 saves and the last step's held-out eval are outside it), episodes/s, steps/s and
@@ -34,6 +36,7 @@ the held-out reward of the last step's eval.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -85,29 +88,46 @@ def main() -> None:
         _print_batcher(job)
         return
     rows = []
-    for name, variant in VARIANTS.items():
+    for name, (variant, llama_steps) in VARIANTS.items():
         with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
             one = Job(compose("config", overrides=["+experiment=pipeline", *bench, *args.overrides, *variant]))
         one.models = job.models  # one model load for all
         clock = time.perf_counter()
-        grpo.train(one, checkpoint, tasks, run / name)
+        with _sampler_forward(llama_steps):
+            grpo.train(one, checkpoint, tasks, run / name)
         rows.append(_totals(name, one.cfg, run / name, time.perf_counter() - clock))
     print(f"\nGRPO from {checkpoint}, {args.steps} steps, load average {os.getloadavg()[0]:.1f}")
-    print(f"{'variant':<22} {'steps s':>8} {'ep/s':>6} {'steps/s':>8} {'x sync':>7} {'train() s':>9} {'held-out':>9}")
+    print(f"{'variant':<26} {'steps s':>8} {'ep/s':>6} {'steps/s':>8} {'x sync':>7} {'train() s':>9} {'held-out':>9}")
     for r in rows:
         print(
-            f"{r['variant']:<22} {r['steps_s']:8.1f} {r['episodes_s']:6.2f} {r['steps_per_s']:8.3f} "
+            f"{r['variant']:<26} {r['steps_s']:8.1f} {r['episodes_s']:6.2f} {r['steps_per_s']:8.3f} "
             f"{r['episodes_s'] / rows[0]['episodes_s']:7.2f} {r['train_s']:9.1f} {r['heldout_reward']:9.3f}"
         )
     print(json.dumps(rows))
 
 
-# name -> the overrides beside the benchmark's own; the first is the baseline
+# name -> (the overrides beside the benchmark's own, whether the sampler may use LlamaSteps); the first is the
+# baseline: the sampler as it was before LlamaSteps, through transformers' forward (the same tokens, slower)
 VARIANTS = {
-    "synchronous": [],
-    "pipelined": ["grpo.max_off_policy_steps=1"],
-    "pipelined, train 1 thread": ["grpo.max_off_policy_steps=1", "backend.train_threads=1"],
+    "sync, transformers fwd": ([], False),
+    "synchronous": ([], True),
+    "pipelined": (["grpo.max_off_policy_steps=1"], True),
+    "pipelined, train 1 thread": (["grpo.max_off_policy_steps=1", "backend.train_threads=1"], True),
 }
+
+
+@contextlib.contextmanager
+def _sampler_forward(llama_steps: bool):
+    """The batched sampler's forward passes: LlamaSteps where it applies (the default), or transformers' always."""
+    from tbexp.backends.llama_steps import LlamaSteps
+
+    supports = LlamaSteps.__dict__["supports"]
+    if not llama_steps:
+        LlamaSteps.supports = staticmethod(lambda model: False)
+    try:
+        yield
+    finally:
+        LlamaSteps.supports = supports
 
 
 def _totals(name: str, cfg, run: Path, train_s: float) -> dict:
