@@ -210,6 +210,9 @@ def test_harbor_environments_are_chosen_by_name_and_need_their_keys(monkeypatch,
         harbor_trials.environment_config(compose_config("harbor.environment=modal"))
     with pytest.raises(harbor_trials.HarborSetupError, match="not a Harbor environment; choose one of"):
         harbor_trials.environment_config(compose_config("harbor.environment=nonsense"))
+    with pytest.raises(harbor_trials.HarborSetupError, match="leave harbor.agent unset"):
+        harbor_trials.harbor_agent(compose_config("agent=terminus_2", "harbor.agent=tbexp-command"))
+    assert harbor_trials.harbor_agent(compose_config("agent=terminus_shell")) == "terminus-2"
     own = harbor_trials.environment_config(compose_config("sandbox=docker"))
     assert own.import_path == "tbexp.sandboxes.harbor_env:DockerEnvironment" and own.type is None
     assert compose_config().eval.harness == "native"  # the default stays tbexp's own loop

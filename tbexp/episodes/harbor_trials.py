@@ -109,6 +109,11 @@ def harbor_agent(cfg: Any) -> str:
     >>> harbor_agent(N(harbor=N(agent=""), agent=N(name="terminus_2")))
     'terminus-2'
     """
+    if cfg.harbor.agent == harbor_command_agent.NAME and cfg.agent.name == "terminus_2":
+        raise HarborSetupError(
+            "harbor.agent=tbexp-command plays a command protocol; agent=terminus_2 in Harbor's trials is Harbor's "
+            "own terminus-2: leave harbor.agent unset (or set it to terminus-2)"
+        )
     if cfg.harbor.agent:
         return cfg.harbor.agent
     return harbor_command_agent.NAME if cfg.agent.name == "raw_command" else TERMINUS_2
