@@ -14,6 +14,7 @@ held before the call (inputs included in neither), for a frozen LM head
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import resource
 import subprocess
@@ -149,6 +150,39 @@ def _bench_backend(args, device) -> None:
         print(
             f"sampling  {n / elapsed:10.0f} tokens/s   ({calls} call(s) × {args.samples} sequences × {args.max_tokens} tokens after a 64-token prompt)   peak {_peak(device)}"
         )
+        _bench_batched_sampling(sampler, vocab, args, g)
+
+
+def _bench_batched_sampling(sampler, vocab: int, args, g) -> None:
+    """The episodes' path: one reply each to different prompts in one batch, through transformers' forward and
+    through LlamaSteps where the model is one it takes (the same tokens either way)."""
+    from tinker import types
+
+    from tbexp.backends.batch_sampling import Request
+    from tbexp.backends.llama_steps import transformers_only
+
+    lengths = torch.randint(200, 400, (args.samples,), generator=g).tolist()  # an episode's prompt after a turn or two
+    requests = [
+        Request(
+            torch.randint(0, vocab, (n,), generator=g).tolist(),
+            types.SamplingParams(max_tokens=args.max_tokens, temperature=1.0, seed=i, stop=[]),
+        )
+        for i, n in enumerate(lengths)
+    ]
+    figures = {}
+    for name in ("transformers", "LlamaSteps"):
+        with transformers_only() if name == "transformers" else contextlib.nullcontext():
+            sampler.sample_batch(requests)  # warm-up
+            start = time.perf_counter()
+            drawn = sampler.sample_batch(requests)
+            figures[name] = (time.perf_counter() - start, [s.tokens for s in drawn])
+    n = sum(len(tokens) for tokens in figures["transformers"][1])
+    same = figures["transformers"][1] == figures["LlamaSteps"][1]
+    print(
+        f"batched   {n / figures['transformers'][0]:10.0f} tokens/s through transformers, "
+        f"{n / figures['LlamaSteps'][0]:.0f} through LlamaSteps ({figures['transformers'][0] / figures['LlamaSteps'][0]:.2f}x; "
+        f"{args.samples} prompts of 200-400 tokens, {args.max_tokens} tokens each; same tokens: {same})"
+    )
 
 
 def _bench_logprobs(args, device) -> None:

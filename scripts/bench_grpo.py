@@ -65,6 +65,7 @@ def main() -> None:
     from tbexp.config import register
 
     register()
+    from tbexp.backends.llama_steps import transformers_only
     from tbexp.job import Job
     from tbexp.stages import grpo
 
@@ -93,7 +94,7 @@ def main() -> None:
             one = Job(compose("config", overrides=["+experiment=pipeline", *bench, *args.overrides, *variant]))
         one.models = job.models  # one model load for all
         clock = time.perf_counter()
-        with _sampler_forward(llama_steps):
+        with contextlib.nullcontext() if llama_steps else transformers_only():
             grpo.train(one, checkpoint, tasks, run / name)
         rows.append(_totals(name, one.cfg, run / name, time.perf_counter() - clock))
     print(f"\nGRPO from {checkpoint}, {args.steps} steps, load average {os.getloadavg()[0]:.1f}")
@@ -114,20 +115,6 @@ VARIANTS = {
     "pipelined": (["grpo.max_off_policy_steps=1"], True),
     "pipelined, train 1 thread": (["grpo.max_off_policy_steps=1", "backend.train_threads=1"], True),
 }
-
-
-@contextlib.contextmanager
-def _sampler_forward(llama_steps: bool):
-    """The batched sampler's forward passes: LlamaSteps where it applies (the default), or transformers' always."""
-    from tbexp.backends.llama_steps import LlamaSteps
-
-    supports = LlamaSteps.__dict__["supports"]
-    if not llama_steps:
-        LlamaSteps.supports = staticmethod(lambda model: False)
-    try:
-        yield
-    finally:
-        LlamaSteps.supports = supports
 
 
 def _totals(name: str, cfg, run: Path, train_s: float) -> dict:

@@ -19,9 +19,8 @@ import torch
 from tinker import types
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from tbexp.backends import batch_sampling
 from tbexp.backends.batch_sampling import Request, sample_batch
-from tbexp.backends.llama_steps import LlamaSteps
+from tbexp.backends.llama_steps import LlamaSteps, transformers_only
 from tbexp.backends.logit_scale import add_logit_scale
 
 TINY = Path(__file__).resolve().parent.parent / "tbexp" / "models" / "tiny"
@@ -77,7 +76,7 @@ def test_logits_are_transformers_bit_for_bit(lengths, scale):
             next_positions = next_positions + 1
 
 
-def test_sample_batch_draws_the_same_with_and_without_it(monkeypatch):
+def test_sample_batch_draws_the_same_with_and_without_it():
     model = tiny(1.3)
     tokenizer = _tokenizer()
     prompts = [batch([n], seed=n)[0][0].tolist() for n in (12, 50, 31, 50, 3)]
@@ -86,8 +85,10 @@ def test_sample_batch_draws_the_same_with_and_without_it(monkeypatch):
     ]
     requests = [Request(p, q) for p, q in zip(prompts, params)]
     fast = sample_batch(model, tokenizer, requests, [3])
-    monkeypatch.setattr(batch_sampling.LlamaSteps, "supports", staticmethod(lambda model: False))
-    slow = sample_batch(model, tokenizer, requests, [3])
+    with transformers_only():
+        assert not LlamaSteps.supports(model)
+        slow = sample_batch(model, tokenizer, requests, [3])
+    assert LlamaSteps.supports(model)
     assert [(s.tokens, s.logprobs, s.stop_reason) for s in fast] == [
         (s.tokens, s.logprobs, s.stop_reason) for s in slow
     ]

@@ -25,6 +25,9 @@ heads as query heads; `LlamaSteps.supports(model)` says whether a model is one.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 
@@ -50,12 +53,14 @@ class LlamaSteps:
         self.lengths: list[int] = []
         self.padding_B_T: torch.Tensor | None = None  # every position seen so far, 1 = a real token
 
+    enabled = True  # `transformers_only()` turns it off: to time the difference, or to rule it out
+
     @staticmethod
     def supports(model) -> bool:
         """Whether `model` is one this class computes exactly as transformers does."""
         from transformers import LlamaForCausalLM
 
-        if type(model) is not LlamaForCausalLM:
+        if not LlamaSteps.enabled or type(model) is not LlamaForCausalLM:
             return False
         c = model.config
         norm = model.model.norm
@@ -163,6 +168,16 @@ class LlamaSteps:
         self.values[i][:, :, n : n + T] = v
         self.lengths[i] = n + T
         return self.keys[i][:, :, : n + T], self.values[i][:, :, : n + T]
+
+
+@contextlib.contextmanager
+def transformers_only() -> Iterator[None]:
+    """Inside, the batched sampler runs every model through transformers' forward (the same numbers, slower)."""
+    before, LlamaSteps.enabled = LlamaSteps.enabled, False
+    try:
+        yield
+    finally:
+        LlamaSteps.enabled = before
 
 
 def _rms_norm(hidden: torch.Tensor, norm) -> torch.Tensor:
