@@ -69,7 +69,8 @@ WAIT_S = 1.0  # each command's `duration`: milliseconds of work, with room for a
 def script(parser: str) -> list[str]:
     reply = _json if parser == "json" else _xml
     return [
-        reply([("ls -la /app\n", WAIT_S), ("cat input.txt\n", WAIT_S)]),
+        # No times in the listing: the two episodes run a minute apart at times, and `ls -l` would show it.
+        reply([("ls -la --time-style=+ /app\n", WAIT_S), ("cat input.txt\n", WAIT_S)]),
         reply([("sleep 30\n", WAIT_S), ("C-c", WAIT_S)]),  # a control key, sent as tmux's key name
         "this is not a reply in either format",  # a parse error: nothing runs
         reply([("echo done > /app/out.txt\n", WAIT_S)], extra="Here is my answer:\n"),  # a warning: text before it
