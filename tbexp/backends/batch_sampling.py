@@ -15,8 +15,8 @@ in batched matrix products). Stops and logprobs follow `sampling.py`.
 The forward passes go through `TransformersSteps` (the model's own forward,
 transformers' cache) or, for a plain Llama model on the CPU, through
 `tbexp.backends.llama_steps.LlamaSteps`, the same operations without
-transformers' per-call overhead: the same logits bit for bit, in about half the
-time a decode step at the batch sizes episodes make.
+transformers' per-call overhead: the same logits bit for bit, 1.31x the tokens/s
+on a batch of 8 and a quarter less sampler CPU in a held-out eval (docs/grpo.md).
 """
 
 from __future__ import annotations

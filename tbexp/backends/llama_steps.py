@@ -10,8 +10,9 @@ bitwise those of `model(...)` (tests/test_llama_steps.py compares them, and
 the tokens and logprobs `sample_batch` draws with and without it):
 
 * embedding → per layer: RMSNorm (in float32), q/k/v projections, rotary
-  embedding (cos/sin of position × inv_freq, computed per call), the cache
-  grown by concatenation, `scaled_dot_product_attention` with the mask
+  embedding (cos/sin of position × inv_freq, computed per call), the keys and
+  values so far (the numbers transformers' cache holds, in buffers that grow by
+  doubling instead of a copy every step), `scaled_dot_product_attention` with the mask
   transformers would pass (none without padding, `is_causal` for a prefill;
   else its boolean causal-and-padding mask), the output projection, residual;
   RMSNorm, SiLU-gated MLP, residual → the final norm (times the learnt
@@ -38,15 +39,13 @@ class LlamaSteps:
     """One batch's prefill and decode steps; rows can leave the batch (`keep`) between steps."""
 
     def __init__(self, model):
-        lm = model
-        self.config = c = lm.config
-        self.embed = lm.model.embed_tokens.weight
-        self.layers = lm.model.layers
-        norm = lm.model.norm
+        self.embed = model.model.embed_tokens.weight
+        self.layers = model.model.layers
+        norm = model.model.norm
         self.final_norm, self.log_scale = (norm.norm, norm.log_scale) if isinstance(norm, ScaledNorm) else (norm, None)
-        self.head = lm.lm_head.weight
-        self.inv_freq = lm.model.rotary_emb.inv_freq.float()
-        self.head_dim = c.head_dim
+        self.head = model.lm_head.weight
+        self.inv_freq = model.model.rotary_emb.inv_freq.float()
+        self.head_dim = model.config.head_dim
         self.scaling = self.head_dim**-0.5
         self.keys: list[torch.Tensor | None] = []  # per layer: B x heads x capacity x head_dim, filled to lengths[i]
         self.values: list[torch.Tensor | None] = []

@@ -319,7 +319,7 @@ class LocalBackend(TrainingBackend):
             self.step += 1
             stats = {"grad_norm": float(grad_norm), "learning_rate": adam.learning_rate, "step": float(self.step)}
             if self._scale_name:
-                stats["logit_scale"] = float(self._params[self._scale_name].detach().exp())
+                stats["logit_scale"] = self.logit_scale()
         return Done(stats)
 
     def logit_scale(self) -> float:

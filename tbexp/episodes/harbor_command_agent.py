@@ -98,7 +98,7 @@ class TbexpCommandAgent(BaseAgent):
                 history += [{"role": "user", "content": prompt}, {"role": "assistant", "content": reply}]
                 turn = Turn(reply, self.protocol.parse(reply, record.turns))
                 record.turns.append(turn)
-                await self._run_commands(turn, environment)
+                # Before the commands run: an agent time-out during them still leaves this reply's tokens to train on.
                 context.rollout_details = [
                     {
                         "prompt_token_ids": record.prompts,
@@ -106,6 +106,7 @@ class TbexpCommandAgent(BaseAgent):
                         "logprobs": record.logprobs,
                     }
                 ]
+                await self._run_commands(turn, environment)
                 if turn.action.done:
                     return
                 prompt = self.protocol.observe(turn)
