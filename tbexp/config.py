@@ -228,7 +228,8 @@ class SandboxConfig:
 
 @dataclass
 class BwrapSandboxConfig(SandboxConfig):
-    # roots of environments other than base_image: from docker | debootstrap | auto (docker if an engine answers)
+    # roots of environments other than base_image: from docker | debootstrap | auto (docker if an engine answers and
+    # holds the FROM image, else debootstrap)
     environment_source: str = "auto"
 
 

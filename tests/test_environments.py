@@ -295,3 +295,20 @@ def test_prebuilt_docker_image_runs_in_docker(tmp_path, stand_ins):
         "docker_image no-such-image:ever is not on this engine"
         in prepare_environments([missing], settings)["test/prebuilt"]
     )
+
+
+@pytest.mark.docker
+def test_auto_source_falls_back_without_docker_where_the_engine_lacks_the_image(tmp_path, docker_engine, monkeypatch):
+    from tbexp.sandboxes import environments
+
+    monkeypatch.setattr(environments, "_engine", [])  # ask again: this process may have asked with no engine up
+    image = "debian:12.4-slim"  # a bookworm stand-in exists for it; nothing here imports it into the engine
+    if docker_engine.images(name=image):
+        pytest.skip(f"this engine holds {image}, so Docker would build it")
+    task = _prebuilt_task(tmp_path, image)
+    auto = compose_config("sandbox.command_timeout_s=60", "sandbox.environment_source=auto").sandbox
+    assert environments._source(auto) == "docker"
+    assert prepare_environments([task], auto) == {}
+    assert environments.bwrap_environment(task, auto).root.name == "debootstrap-bookworm"
+    docker = compose_config("sandbox.command_timeout_s=60", "sandbox.environment_source=docker").sandbox
+    assert f"docker_image {image} is not on this engine" in prepare_environments([task], docker)["test/prebuilt"]

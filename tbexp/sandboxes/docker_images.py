@@ -183,11 +183,15 @@ def image_config(api: docker.APIClient, image: str):
     return ImageConfig(config.get("WorkingDir") or "/", env, config.get("User") or "")
 
 
+class MissingImageError(EnvironmentBuildError):
+    """A FROM or `docker_image` image this engine lacks (nothing is pulled)."""
+
+
 def _prebuilt_hash(api: docker.APIClient, image: str, task) -> str:
     try:
         return "img-" + api.inspect_image(image)["Id"].split(":")[-1][:16]
     except docker.errors.ImageNotFound as err:
-        raise EnvironmentBuildError(
+        raise MissingImageError(
             f"{task.path / 'task.toml'}: docker_image {image} is not on this engine and no registry can be reached; {STAND_INS}"
         ) from err
     except ENGINE_ERRORS as err:
@@ -211,7 +215,7 @@ def _content_hash(api: docker.APIClient, env_dir: Path, base_image: str) -> str:
             h.update(api.inspect_image(image)["Id"].encode())
         except docker.errors.ImageNotFound as err:
             hint = "run scripts/build_base_image.sh" if image == base_image else STAND_INS
-            raise EnvironmentBuildError(
+            raise MissingImageError(
                 f"{dockerfile}: FROM {image}, which this engine lacks and no registry can give; {hint}"
             ) from err
         except ENGINE_ERRORS as err:

@@ -7,7 +7,8 @@ directory, environment and user. Three ways, chosen in this order:
    on that base root itself (`sandbox.rootfs` for `tbexp-base:bookworm`); its files are copied in at start.
 2. **Exported from Docker** (`sandbox.environment_source=docker`, or `auto` with an engine answering): the
    image docker_images.py builds for `sandbox=docker` is exported into `<cache>/environments/docker-<tag>/`.
-   A prebuilt `docker_image` is exported the same way.
+   A prebuilt `docker_image` is exported the same way. Under `auto`, an engine that lacks the FROM image
+   (nothing is pulled) falls through to 3, with a warning.
 3. **Built without Docker** (`debootstrap`, or `auto` with no engine): the FROM image's Debian stand-in
    (debian_roots.py, a debootstrap per suite) is copied to `<cache>/environments/<hash>/` and the stage's
    instructions are applied to it (environment_build.py). `<hash>` covers the build context's contents,
@@ -26,6 +27,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import posixpath
 import shutil
@@ -49,6 +51,8 @@ from tbexp.sandboxes.dockerfile import (
     read_dockerfile,
 )
 from tbexp.sandboxes.environment_build import ImageConfig, build_stage, user_ids
+
+log = logging.getLogger(__name__)
 
 BUILDER_VERSION = "1"  # bump when a change to the builders changes what a cached root holds
 WRITABLE_ROOTS = ("/app", "/tmp", "/root", "/logs", "/tests", "/solution")  # bwrap.WRITABLE
@@ -86,6 +90,7 @@ def bwrap_environment(task: Any, settings: Any) -> PreparedEnvironment:
         context_hash(task.environment_dir) if not docker_image else "",
         docker_image,
         source,
+        _chosen(settings),  # auto may fall back from Docker where an explicit docker may not
         str(settings.rootfs),
         settings.base_image,
         str(cache_root()),  # the built roots live there: a process whose cache root changes builds afresh
@@ -136,6 +141,19 @@ def prepare_environments(tasks: list, sandbox_settings: Any) -> dict[str, str]:
 
 
 def _prepare(task: Any, settings: Any, docker_image: str, source: str) -> PreparedEnvironment:
+    if source != "docker" or _chosen(settings) == "docker":
+        return _prepare_from(task, settings, docker_image, source)
+    from tbexp.sandboxes.docker_images import MissingImageError
+
+    try:
+        return _prepare_from(task, settings, docker_image, source)
+    except MissingImageError as err:
+        # `auto` meant "Docker if it can": an engine without the base image cannot, and pulls nothing
+        log.warning("%s; sandbox.environment_source=auto builds this environment without Docker instead", err)
+        return _prepare_from(task, settings, docker_image, "debootstrap")
+
+
+def _prepare_from(task: Any, settings: Any, docker_image: str, source: str) -> PreparedEnvironment:
     if docker_image and source == "docker":
         return _from_docker(task, settings)
     dockerfile = _dockerfile(task, docker_image)
@@ -156,10 +174,15 @@ def _dockerfile(task: Any, docker_image: str) -> Dockerfile:
     return read_dockerfile(path)
 
 
-def _source(settings: Any) -> str:
+def _chosen(settings: Any) -> str:
     choice = getattr(settings, "environment_source", "auto") or "auto"
     if choice not in ("auto", "docker", "debootstrap"):
         raise EnvironmentBuildError(f"sandbox.environment_source={choice!r}: choose auto, docker or debootstrap")
+    return choice
+
+
+def _source(settings: Any) -> str:
+    choice = _chosen(settings)
     if choice != "auto":
         return choice
     return "docker" if _engine_answers() else "debootstrap"
