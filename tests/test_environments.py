@@ -312,3 +312,6 @@ def test_auto_source_falls_back_without_docker_where_the_engine_lacks_the_image(
     assert environments.bwrap_environment(task, auto).root.name == "debootstrap-bookworm"
     docker = compose_config("sandbox.command_timeout_s=60", "sandbox.environment_source=docker").sandbox
     assert f"docker_image {image} is not on this engine" in prepare_environments([task], docker)["test/prebuilt"]
+    neither = _prebuilt_task(tmp_path / "alpine", "alpine:3.20")  # no stand-in either: both reasons are given
+    why = prepare_environments([neither], auto)["test/prebuilt"]
+    assert "with Docker: " in why and "alpine:3.20 is not on this engine" in why and "without Docker: " in why, why

@@ -147,10 +147,13 @@ def _prepare(task: Any, settings: Any, docker_image: str, source: str) -> Prepar
 
     try:
         return _prepare_from(task, settings, docker_image, source)
-    except MissingImageError as err:
+    except MissingImageError as missing:
         # `auto` meant "Docker if it can": an engine without the base image cannot, and pulls nothing
-        log.warning("%s; sandbox.environment_source=auto builds this environment without Docker instead", err)
-        return _prepare_from(task, settings, docker_image, "debootstrap")
+        log.warning("%s; sandbox.environment_source=auto builds this environment without Docker instead", missing)
+        try:
+            return _prepare_from(task, settings, docker_image, "debootstrap")
+        except EnvironmentBuildError as err:
+            raise EnvironmentBuildError(f"with Docker: {missing}; without Docker: {err}") from err
 
 
 def _prepare_from(task: Any, settings: Any, docker_image: str, source: str) -> PreparedEnvironment:
