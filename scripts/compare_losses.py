@@ -51,8 +51,9 @@ def main() -> None:
     lines.append("|---" * 7 + "|")
     for seed in args.seeds:
         first = None
-        runs = [("start", f"start-s{seed}", [args.losses[0], "grpo.steps=1", "grpo.eval_at_start=true"])]
-        runs = runs[: int(args.with_start)] + [(loss, f"{loss}-s{seed}", [loss]) for loss in args.losses]
+        runs = [(loss, f"{loss}-s{seed}", [loss]) for loss in args.losses]
+        if args.with_start:
+            runs.insert(0, ("start", f"start-s{seed}", [args.losses[0], "grpo.steps=1", "grpo.eval_at_start=true"]))
         for name, folder, (loss, *more) in runs:
             run_dir = args.out / folder
             wall_s = _run(run_dir, [f"seed={seed}", f"grpo.loss_fn={loss}", *fixed, *more])

@@ -307,7 +307,7 @@ def test_auto_source_falls_back_without_docker_where_the_engine_lacks_the_image(
         pytest.skip(f"this engine holds {image}, so Docker would build it")
     task = _prebuilt_task(tmp_path, image)
     auto = compose_config("sandbox.command_timeout_s=60", "sandbox.environment_source=auto").sandbox
-    assert environments._source(auto) == "docker"
+    assert environments._source(environments._chosen(auto)) == "docker"
     assert prepare_environments([task], auto) == {}
     assert environments.bwrap_environment(task, auto).root.name == "debootstrap-bookworm"
     docker = compose_config("sandbox.command_timeout_s=60", "sandbox.environment_source=docker").sandbox

@@ -42,6 +42,10 @@ class EnvironmentBuildError(SandboxError):
     """A task's environment cannot be built or honoured; the task is unrunnable, not one episode invalid."""
 
 
+class MissingImageError(EnvironmentBuildError):
+    """A FROM or `docker_image` image the Docker engine lacks (nothing is pulled)."""
+
+
 @dataclass(frozen=True)
 class ExecResult:
     output: str  # stdout and stderr interleaved, cut at the output limit

@@ -29,7 +29,7 @@ from pathlib import Path
 import docker
 import requests
 
-from tbexp.sandboxes.base import EnvironmentBuildError, SandboxError
+from tbexp.sandboxes.base import EnvironmentBuildError, MissingImageError, SandboxError
 from tbexp.sandboxes.dockerfile import context_hash, read_dockerfile
 
 ENGINE_ERRORS = (docker.errors.DockerException, requests.exceptions.RequestException, OSError)
@@ -181,10 +181,6 @@ def image_config(api: docker.APIClient, image: str):
     config = api.inspect_image(image)["Config"] or {}
     env = dict(entry.partition("=")[::2] for entry in config.get("Env") or [])
     return ImageConfig(config.get("WorkingDir") or "/", env, config.get("User") or "")
-
-
-class MissingImageError(EnvironmentBuildError):
-    """A FROM or `docker_image` image this engine lacks (nothing is pulled)."""
 
 
 def _prebuilt_hash(api: docker.APIClient, image: str, task) -> str:

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from tbexp.cache import cache_root
-from tbexp.sandboxes.base import EnvironmentBuildError
+from tbexp.sandboxes.base import EnvironmentBuildError, MissingImageError
 from tbexp.sandboxes.debian_roots import stand_in, suite_root, table_text
 from tbexp.sandboxes.dockerfile import (
     IGNORED,
@@ -85,12 +85,13 @@ builds = {"bwrap": 0}  # roots built by this process (tests count them)
 def bwrap_environment(task: Any, settings: Any) -> PreparedEnvironment:
     """The prepared environment of `task` for bwrap; EnvironmentBuildError (remembered) where there is none."""
     docker_image = getattr(task, "docker_image", "") or ""
-    source = _source(settings)
+    chosen = _chosen(settings)
+    source = _source(chosen)
     key = (
         context_hash(task.environment_dir) if not docker_image else "",
         docker_image,
         source,
-        _chosen(settings),  # auto may fall back from Docker where an explicit docker may not
+        chosen,  # auto may fall back from Docker where an explicit docker may not
         str(settings.rootfs),
         settings.base_image,
         str(cache_root()),  # the built roots live there: a process whose cache root changes builds afresh
@@ -100,7 +101,7 @@ def bwrap_environment(task: Any, settings: Any) -> PreparedEnvironment:
     with lock:
         if key not in _prepared:
             try:
-                _prepared[key] = _prepare(task, settings, docker_image, source)
+                _prepared[key] = _prepare(task, settings, docker_image, source, fall_back=chosen == "auto")
             except EnvironmentBuildError as err:
                 _prepared[key] = err
             except OSError as err:
@@ -140,14 +141,12 @@ def prepare_environments(tasks: list, sandbox_settings: Any) -> dict[str, str]:
 # -- choosing the way -------------------------------------------------------------
 
 
-def _prepare(task: Any, settings: Any, docker_image: str, source: str) -> PreparedEnvironment:
-    if source != "docker" or _chosen(settings) == "docker":
-        return _prepare_from(task, settings, docker_image, source)
-    from tbexp.sandboxes.docker_images import MissingImageError
-
+def _prepare(task: Any, settings: Any, docker_image: str, source: str, fall_back: bool) -> PreparedEnvironment:
     try:
         return _prepare_from(task, settings, docker_image, source)
-    except MissingImageError as missing:
+    except MissingImageError as missing:  # only the Docker way raises it
+        if not fall_back:
+            raise
         # `auto` meant "Docker if it can": an engine without the base image cannot, and pulls nothing
         log.warning("%s; sandbox.environment_source=auto builds this environment without Docker instead", missing)
         try:
@@ -184,8 +183,7 @@ def _chosen(settings: Any) -> str:
     return choice
 
 
-def _source(settings: Any) -> str:
-    choice = _chosen(settings)
+def _source(choice: str) -> str:
     if choice != "auto":
         return choice
     return "docker" if _engine_answers() else "debootstrap"
