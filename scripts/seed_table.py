@@ -3,6 +3,11 @@
 
     python scripts/seed_table.py outputs/2026-12-02/18-01-07 runs/seed1 runs/seed2 ...
     python scripts/seed_table.py --metric eval/reward RUN_DIR ...
+    python scripts/seed_table.py RUN_DIR ... --against OTHER_RUN_DIR ...
+
+With --against, the other run directories (the same seeds with another setting) get their own table, then the
+difference of the two gains seed by seed (other − first) with its mean and interval: paired by seed, so the
+seed-to-seed spread that both settings share drops out.
 
 Each RUN_DIR is a `python -m tbexp seed=N` run directory: its `summary.json` holds the base, sft and rl rows
 and the promotion gate's paired difference (rl − sft on the same held-out tasks and draws, with its
@@ -84,13 +89,30 @@ def table(rows: list[dict], metric: str) -> str:
         f"| mean | {mean_of['base']:.3f} | {mean_of['sft']:.3f} | {mean_of['rl']:.3f} | **{mean:+.1f}** | | | |"
     )
     if len(gains) > 1:
-        sd = statistics.stdev(gains)
-        stderr = sd / math.sqrt(len(gains))
-        half = t_quantile(0.975, len(gains) - 1) * stderr
-        lines.append(
-            f"\n{len(gains)} seeds: mean gain {mean:+.1f} pts, sd {sd:.1f}, s.e. {stderr:.1f}, "
-            f"95% interval [{mean - half:+.1f}, {mean + half:+.1f}] (t, {len(gains) - 1} df)"
-        )
+        lines.append(f"\n{len(gains)} seeds: mean gain {interval(gains)}")
+    return "\n".join(lines)
+
+
+def interval(values: list[float]) -> str:
+    """'mean pts, sd, s.e., 95% interval' of per-seed values, the seeds taken as the sample."""
+    mean, sd = statistics.fmean(values), statistics.stdev(values)
+    stderr = sd / math.sqrt(len(values))
+    half = t_quantile(0.975, len(values) - 1) * stderr
+    return (
+        f"{mean:+.1f} pts, sd {sd:.1f}, s.e. {stderr:.1f}, "
+        f"95% interval [{mean - half:+.1f}, {mean + half:+.1f}] (t, {len(values) - 1} df)"
+    )
+
+
+def paired(rows: list[dict], other: list[dict]) -> str:
+    """Per seed, the other setting's gain minus the first's; only seeds that both have."""
+    first = {r["seed"]: r["gain"] for r in rows}
+    both = [(r["seed"], r["gain"] - first[r["seed"]]) for r in other if r["seed"] in first]
+    if not both:
+        sys.exit("--against: no seed in common with the first run directories")
+    lines = ["\ngain of --against minus gain of the first, per seed: " + ", ".join(f"{s}: {d:+.1f}" for s, d in both)]
+    if len(both) > 1:
+        lines.append(f"{len(both)} seeds: mean difference {interval([d for _, d in both])}")
     return "\n".join(lines)
 
 
@@ -98,9 +120,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dirs", nargs="+", type=Path)
     parser.add_argument("--metric", default="eval/strict_success")
+    parser.add_argument("--against", nargs="+", type=Path, default=[], help="the same seeds with another setting")
     args = parser.parse_args()
     rows = sorted((run_row(d, args.metric) for d in args.run_dirs), key=lambda r: r["seed"])
     print(table(rows, args.metric))
+    if args.against:
+        other = sorted((run_row(d, args.metric) for d in args.against), key=lambda r: r["seed"])
+        print("\n" + table(other, args.metric))
+        print(paired(rows, other))
 
 
 if __name__ == "__main__":

@@ -13,8 +13,10 @@ from tests.conftest import CONF, REPO, compose_config
 
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 GROUP_OPTIONS = sorted(
-    (p.parent.name, p.stem) for p in CONF.glob("*/*.yaml") if p.parent.name not in ("experiment", "sweep")
-)  # both are added with +; sweeps: tests/test_sweep_configs.py
+    (p.parent.name, p.stem)
+    for p in CONF.glob("*/*.yaml")
+    if p.parent.name not in ("experiment", "sweep", "model_tuning")
+)  # experiments and sweeps are added with +, sweeps tested in tests/test_sweep_configs.py; model_tuning is picked below
 
 
 def test_there_are_experiments():
@@ -34,6 +36,19 @@ def test_every_group_option_composes(group, option):
         overrides.append("tasks.path=/somewhere")
     cfg = compose_config(*overrides)
     assert cfg[group] is not None
+
+
+def test_the_tiny_models_grpo_settings_apply_to_it_on_the_local_backend_only():
+    tiny = compose_config()
+    check(tiny)
+    assert (tiny.grpo.loss_fn, tiny.grpo.kl_scaled_reference) == ("dppo", True)
+    assert not compose_config("model.logit_scale=false").grpo.kl_scaled_reference  # it follows the model's scale
+    assert compose_config("grpo.loss_fn=ppo").grpo.loss_fn == "ppo"  # the command line still decides
+    assert compose_config("+experiment=grpo").grpo.loss_fn == "importance_sampling"  # and so does an experiment
+    for overrides in (["backend=tinker", "model.logit_scale=false"], ["model=qwen3_8b"]):
+        other = compose_config(*overrides)
+        check(other)
+        assert (other.grpo.loss_fn, other.grpo.kl_scaled_reference) == ("ppo", False), overrides
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
@@ -100,8 +115,7 @@ def test_wrong_type_is_refused():
         (["grpo.clip_low_threshold=1.1"], "need low < 1 < high"),
         (["grpo.negative_weight=-0.5"], "grpo.negative_weight"),
         (["grpo.logit_scale_lr_factor=-1"], "grpo.logit_scale_lr_factor"),
-        (["grpo.kl_scaled_reference=true", "grpo.kl_coef=0"], "grpo.kl_scaled_reference=true needs grpo.kl_coef > 0"),
-        (["grpo.kl_scaled_reference=true", "model.logit_scale=false"], "and model.logit_scale=true"),
+        (["grpo.kl_scaled_reference=true", "model.logit_scale=false"], "needs model.logit_scale=true"),
         (["backend.train_threads=-1"], "backend.train_threads"),
     ],
 )
