@@ -56,3 +56,16 @@ def test_a_run_without_the_rl_row_is_refused(tmp_path):
     (folder / "summary.json").write_text(json.dumps(summary))
     with pytest.raises(SystemExit, match="no rl row"):
         seed_table.run_row(folder, "eval/strict_success")
+
+
+def test_against_pairs_the_gains_by_seed(tmp_path):
+    # first setting: gains +4 (seed 0), +8 (seed 1); the other: +6, +8, and seed 2 that the first lacks.
+    # Differences +2 and 0: mean 1, sd √2, s.e. 1, 95% half-width 12.706
+    first = [(0, 0.25, 0.29), (1, 0.20, 0.28)]
+    other = [(0, 0.25, 0.31), (1, 0.20, 0.28), (2, 0.10, 0.50)]
+    row = lambda name, s, sft, rl: seed_table.run_row(_run(tmp_path / f"{name}{s}", s, sft, rl), "eval/strict_success")  # noqa: E731
+    text = seed_table.paired([row("a", *r) for r in first], [row("b", *r) for r in other])
+    assert "per seed: 0: +2.0, 1: +0.0\n" in text
+    assert "2 seeds: mean difference +1.0 pts, sd 1.4, s.e. 1.0, 95% interval [-11.7, +13.7]" in text
+    with pytest.raises(SystemExit, match="no seed in common"):
+        seed_table.paired([row("c", 5, 0.1, 0.2)], [row("d", 6, 0.1, 0.2)])
