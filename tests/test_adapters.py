@@ -252,7 +252,7 @@ def test_a_tinker_checkpoint_is_downloaded_and_converted(tmp_path):
     exported = backend.export_checkpoint(checkpoint, str(tmp_path / "stage"))
     assert exported.kind == "adapter" and exported.path == str(tmp_path / "stage" / "adapter")
     assert f"create_training_client_from_state {checkpoint}" in service.log
-    assert "delete tinker://stand-in/external_weights/export-chosen" in service.log  # the temporary export
+    assert f"delete {service.root}/external_weights/export-chosen" in service.log  # the temporary export
     assert not (tmp_path / "service" / "external" / "export-chosen").exists()
     sampler = sampling_client(service, str(TINY_DIR), checkpoint)
     assert _assert_reproduces(exported, sampler, tmp_path) > 1e-3

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import uuid
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -82,7 +83,7 @@ class StandInTraining:
     def save_state(self, name):
         path = self.local.save_state(name)
         return Later(
-            self.log, "save_state", lambda: SimpleNamespace(path=f"tinker://stand-in/weights/{Path(path).name}")
+            self.log, "save_state", lambda: SimpleNamespace(path=f"{self.service.root}/weights/{Path(path).name}")
         )
 
     def save_weights_for_sampler(self, name):
@@ -91,7 +92,7 @@ class StandInTraining:
         return Later(
             self.log,
             "save_weights_for_sampler",
-            lambda: SimpleNamespace(path=f"tinker://stand-in/sampler_weights/{name}"),
+            lambda: SimpleNamespace(path=f"{self.service.root}/sampler_weights/{name}"),
         )
 
     def load_state_with_optimizer(self, uri):
@@ -118,7 +119,7 @@ class StandInTraining:
         return Later(
             self.log,
             "save_weights_external",
-            lambda: SimpleNamespace(path=f"tinker://stand-in/external_weights/{name}"),
+            lambda: SimpleNamespace(path=f"{self.service.root}/external_weights/{name}"),
         )
 
 
@@ -152,10 +153,14 @@ def _output(result):
 class StandInService:
     def __init__(self, store: Path):
         self.store, self.log = store, []
+        # Tinker's paths name the training run that saved them, so no two runs share a path. The stand-in's paths
+        # name the service instance for the same reason: tbexp's result caches key a tinker:// checkpoint by its
+        # path, so a path that came back in a later test run would bring back what earlier weights scored.
+        self.root = f"tinker://stand-in-{uuid.uuid4().hex[:12]}"
         self._sampling_engine = None
 
     def local_path(self, uri: str) -> str:
-        kind, name = uri.removeprefix("tinker://stand-in/").split("/")
+        kind, name = uri.removeprefix(f"{self.root}/").split("/")
         assert kind in ("weights", "sampler_weights", "external_weights"), uri
         return str(self.store / "external" / name if kind == "external_weights" else self.store / name)
 
@@ -232,8 +237,8 @@ def test_sft_runs_unchanged_on_tinker_with_pipelined_steps_and_uri_checkpoints(r
     result = sft.train(job, tmp_path / "gold.jsonl", tmp_path / "sft")
     state = json.loads((tmp_path / "sft" / "sft_state.json").read_text())
     assert [e["checkpoint"] for e in state["evals"]] == [
-        "tinker://stand-in/weights/step-00002",
-        "tinker://stand-in/weights/step-00004",
+        f"{tinker_service.root}/weights/step-00002",
+        f"{tinker_service.root}/weights/step-00004",
     ]
     assert result.checkpoint.startswith("tinker://")
     # The chosen checkpoint, downloaded and converted (tests/test_adapters.py checks what it computes).
@@ -279,9 +284,9 @@ def test_grpo_runs_unchanged_on_tinker_from_a_tinker_checkpoint(rootfs, tmp_path
     job = compose_job(*overrides)
     result = grpo.train(job, start, grpo.rl_tasks(job, start, tmp_path / "grpo"), tmp_path / "grpo")
     assert f"load_state {start}" in tinker_service.log
-    assert result.checkpoint == "tinker://stand-in/weights/step-00001"
+    assert result.checkpoint == f"{tinker_service.root}/weights/step-00001"
     # The filter sampled the start through a sampling client; the one training client made here is GRPO's.
-    assert "create_sampling_client tinker://stand-in/sampler_weights/start" in tinker_service.log
+    assert f"create_sampling_client {tinker_service.root}/sampler_weights/start" in tinker_service.log
     assert sum(line.startswith("create ") for line in tinker_service.log) == 2  # the start's (above) and GRPO's
     rows = [json.loads(line) for line in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()]
     assert any("rollout/reward_mean" in r for r in rows) and any("heldout/reward" in r for r in rows)
