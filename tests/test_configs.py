@@ -41,14 +41,14 @@ def test_every_group_option_composes(group, option):
 def test_the_tiny_models_grpo_settings_apply_to_it_on_the_local_backend_only():
     tiny = compose_config()
     check(tiny)
-    assert (tiny.grpo.loss_fn, tiny.grpo.kl_scaled_reference) == ("dppo", True)
+    assert (tiny.grpo.loss_fn, tiny.grpo.kl_scaled_reference, tiny.grpo.lr_schedule) == ("dppo", True, "constant")
     assert not compose_config("model.logit_scale=false").grpo.kl_scaled_reference  # it follows the model's scale
     assert compose_config("grpo.loss_fn=ppo").grpo.loss_fn == "ppo"  # the command line still decides
     assert compose_config("+experiment=grpo").grpo.loss_fn == "importance_sampling"  # and so does an experiment
     for overrides in (["backend=tinker", "model.logit_scale=false"], ["model=qwen3_8b"]):
         other = compose_config(*overrides)
         check(other)
-        assert (other.grpo.loss_fn, other.grpo.kl_scaled_reference) == ("ppo", False), overrides
+        assert (other.grpo.loss_fn, other.grpo.kl_scaled_reference, other.grpo.lr_schedule) == ("ppo", False, "cosine")
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
