@@ -48,7 +48,8 @@ def test_the_tiny_models_grpo_settings_apply_to_it_on_the_local_backend_only():
     for overrides in (["backend=tinker", "model.logit_scale=false"], ["model=qwen3_8b"]):
         other = compose_config(*overrides)
         check(other)
-        assert (other.grpo.loss_fn, other.grpo.kl_scaled_reference, other.grpo.lr_schedule) == ("ppo", False, "cosine")
+        settings = (other.grpo.loss_fn, other.grpo.kl_scaled_reference, other.grpo.lr_schedule)
+        assert settings == ("ppo", False, "cosine"), overrides
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
