@@ -7,8 +7,10 @@ The static tests write the default suite (seed 0, 40 train + 4 held-out per
 family) once and check its shape: determinism, the split rules, Harbor's
 layout, tests per instance, the oracle's one-command-per-line form. The
 `sandbox` tests replay the oracle (one bwrap per solve.sh line, as an agent's
-turns would run) and a do-nothing agent in bubblewrap over the sandbox root
-file system, then run tests/test.sh and read the JUnit XML and reward.
+turns would run), a do-nothing agent and all but the oracle's last line in
+bubblewrap over the sandbox root file system, then run tests/test.sh and read
+the JUnit XML and reward, and run the same checks through pytest itself: its
+per-test outcomes must be tests/run_tests.py's.
 """
 
 from __future__ import annotations
@@ -19,13 +21,13 @@ import re
 import shutil
 import subprocess
 import tomllib
-import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
 import pytest
 
+from tbexp.episodes.verifier import read_results
 from tbexp.tasks.builtin import FAMILIES, HELDOUT_FAMILIES, family, write_suite
-from tbexp.tasks.builtin.writer import DOCKERFILE, TEST_SH
+from tbexp.tasks.builtin.writer import DOCKERFILE, RUN_TESTS, TEST_SH
 from tbexp.tasks.harbor_task import load_tasks
 
 TRAIN_PER_FAMILY, HELDOUT_PER_FAMILY = 40, 4
@@ -133,6 +135,7 @@ def test_fixed_files_are_exact(suite):
     for task_dir in _task_dirs(suite):
         assert (task_dir / "environment" / "Dockerfile").read_text() == DOCKERFILE
         assert (task_dir / "tests" / "test.sh").read_text() == TEST_SH
+        assert (task_dir / "tests" / "run_tests.py").read_bytes() == RUN_TESTS
         assert os.access(task_dir / "tests" / "test.sh", os.X_OK)
         assert os.access(task_dir / "solution" / "solve.sh", os.X_OK)
 
@@ -201,8 +204,11 @@ def _instances() -> list[str]:
     return names
 
 
-def _sandbox_run(rootfs: Path, task_dir: Path, work: Path, commands: list[str]) -> tuple[str, int, int]:
-    """Run `commands` (one bwrap each) in `rootfs`, then tests/test.sh; returns (reward, tests, failed tests)."""
+def _sandbox_run(rootfs: Path, task_dir: Path, work: Path, commands: list[str]) -> tuple[str, dict, dict]:
+    """Run `commands` (one bwrap each) in `rootfs`, then tests/test.sh and, on the same files, pytest itself.
+
+    Returns (test.sh's reward, its per-test outcomes, pytest's per-test outcomes on the same /app).
+    """
     mounts = ("app", "tmp", "logs", "tests", "solution")
     for name in mounts:
         (work / name).mkdir(parents=True)
@@ -231,11 +237,12 @@ def _sandbox_run(rootfs: Path, task_dir: Path, work: Path, commands: list[str]) 
         subprocess.run([*bwrap, "bash", "-c", command], capture_output=True, timeout=60)
     shutil.copytree(task_dir / "tests", work / "tests", dirs_exist_ok=True)
     subprocess.run([*bwrap, "bash", "/tests/test.sh"], capture_output=True, timeout=120)
-    reward = (work / "logs" / "verifier" / "reward.txt").read_text().strip()
-    junit = ElementTree.parse(work / "logs" / "verifier" / "junit.xml").getroot()
-    totals = junit if junit.tag == "testsuite" else junit.find("testsuite")
-    failed = int(totals.get("failures", 0)) + int(totals.get("errors", 0))
-    return reward, int(totals.get("tests", 0)), failed
+    report = read_results(work / "logs" / "verifier")
+    # the checks run by pytest itself (test.sh runs them through tests/run_tests.py), on the files test.sh saw
+    pytest_run = "mkdir -p /logs/pytest && python3 -m pytest -q -p no:cacheprovider --junitxml=/logs/pytest/junit.xml"
+    subprocess.run([*bwrap, "bash", "-c", f"{pytest_run} /tests/test_outputs.py"], capture_output=True, timeout=120)
+    by_pytest = read_results(work / "logs" / "pytest").tests
+    return (work / "logs" / "verifier" / "reward.txt").read_text().strip(), report.tests, by_pytest
 
 
 @pytest.mark.sandbox
@@ -243,10 +250,19 @@ def _sandbox_run(rootfs: Path, task_dir: Path, work: Path, commands: list[str]) 
 def test_oracle_passes_and_doing_nothing_fails(rootfs, suite, tmp_path, instance):
     # `rootfs` (tests/conftest.py): the cache root's sandbox root, built if missing; bwrap missing fails the test
     task_dir = suite / instance
-    reward, tests, failed = _sandbox_run(rootfs, task_dir, tmp_path / "oracle", _solve_lines(task_dir))
-    assert (reward, failed) == ("1", 0) and tests >= 3, f"oracle: reward {reward}, {failed}/{tests} tests failed"
-    reward, tests, failed = _sandbox_run(rootfs, task_dir, tmp_path / "nop", [])
-    assert reward == "0" and 1 <= failed <= tests, f"do-nothing: reward {reward}, {failed}/{tests} tests failed"
+    reward, tests, by_pytest = _sandbox_run(rootfs, task_dir, tmp_path / "oracle", _solve_lines(task_dir))
+    failed = [name for name, outcome in tests.items() if outcome != "passed"]
+    assert (reward, failed) == ("1", []) and len(tests) >= 3, f"oracle: reward {reward}, {failed} of {tests} failed"
+    assert tests == by_pytest, "tests/run_tests.py and pytest disagree after the oracle"
+    reward, tests, by_pytest = _sandbox_run(rootfs, task_dir, tmp_path / "nop", [])
+    failed = [name for name, outcome in tests.items() if outcome != "passed"]
+    assert reward == "0" and 1 <= len(failed) <= len(tests), f"do-nothing: reward {reward}, {failed} of {tests} failed"
+    assert tests == by_pytest, "tests/run_tests.py and pytest disagree after doing nothing"
+    # half an oracle: a mix of passed and failed tests where the family's checks allow it
+    partial = _solve_lines(task_dir)[:-1]
+    if partial:
+        _, tests, by_pytest = _sandbox_run(rootfs, task_dir, tmp_path / "partial", partial)
+        assert tests == by_pytest, "tests/run_tests.py and pytest disagree after all but the oracle's last command"
 
 
 def test_rl_share_keeps_part_of_each_family_away_from_sft():

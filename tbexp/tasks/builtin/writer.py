@@ -2,7 +2,9 @@
 
 Layout: task.toml, instruction.md, environment/Dockerfile plus
 environment/app/ (copied to /app), tests/test.sh plus tests/test_outputs.py
-(the family's checks with this instance's expected values embedded), and
+(the family's checks with this instance's expected values embedded) and
+tests/run_tests.py (which runs them as pytest would, at a tenth of its start-up CPU:
+`tbexp/tasks/builtin/run_tests.py`), and
 solution/solve.sh (the oracle, one complete command per line so each line
 can be replayed as one agent turn). Files are written in a fixed order with
 fixed modes, so the same instance always gives the same bytes.
@@ -16,13 +18,14 @@ from pathlib import Path
 
 from tbexp.tasks.builtin.family import EXPECTED_MARKER, Combo, Family
 
+RUN_TESTS = (Path(__file__).parent / "run_tests.py").read_bytes()
 DOCKERFILE = "FROM tbexp-base:bookworm\nWORKDIR /app\nCOPY app/ /app/\n"
 
 TEST_SH = """#!/bin/bash
 # Runs the task's tests; per-test results go to JUnit XML, the binary reward to reward.txt (Harbor's convention).
 mkdir -p /logs/verifier
 cd /app
-python3 -m pytest -q -p no:cacheprovider --junitxml=/logs/verifier/junit.xml /tests/test_outputs.py
+python3 /tests/run_tests.py --junitxml=/logs/verifier/junit.xml /tests/test_outputs.py
 if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi
 """
 
@@ -37,6 +40,7 @@ def write_task(task_dir: Path, family: Family, combo: Combo, split: str, seed: i
         _write(task_dir / "environment" / "app" / rel_path, spec.app_files[rel_path])
     _write(task_dir / "tests" / "test.sh", TEST_SH, mode=0o755)
     _write(task_dir / "tests" / "test_outputs.py", _test_source(task_dir.name, family, spec.expected))
+    _write(task_dir / "tests" / "run_tests.py", RUN_TESTS)
     _write(task_dir / "solution" / "solve.sh", "#!/bin/bash\n" + "\n".join(spec.solution) + "\n", mode=0o755)
 
 
