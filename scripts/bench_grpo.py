@@ -22,6 +22,11 @@ step. Also the sandbox-seconds summed over concurrent episodes (`env`,
 `verify`) and the load average, since other work on the machine slows every
 phase. Not a test: the numbers are the output.
 
+Both modes also print where the CPU went, from `getrusage` at each step's end (steps after the first, whose
+interval also holds the model's loading): CPU-s per episode of this process (sampler, updates) and of its
+reaped children (the sandboxes: bwrap, the agent's commands, the tests), and the episodes/s that the
+machine's cores would allow if the sandboxes alone used them.
+
 With `--compare` it runs the same steps once per variant (`VARIANTS`: the
 synchronous loop with the sampler's forward passes through transformers, as
 before `tbexp.backends.llama_steps`; the synchronous loop; `grpo.max_off_policy_steps=1`;
@@ -39,6 +44,7 @@ import argparse
 import contextlib
 import json
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -84,19 +90,23 @@ def main() -> None:
     # The stage always scores its last step on the held-out tasks; that eval is not part of any step's time.
     tasks = grpo.rl_tasks(job, checkpoint, run)  # grpo.tasks_file, else the filter's pick, as the pipeline's
     if not args.compare:
+        cpu = _CpuAtSteps.attach(job)
         grpo.train(job, checkpoint, tasks, run)
         _print_steps(job.cfg, run)
         _print_batcher(job)
+        print(cpu.summary(job.cfg.grpo.groups_per_step * job.cfg.grpo.group_size, run))
         return
     rows = []
     for name, (variant, llama_steps) in VARIANTS.items():
         with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
             one = Job(compose("config", overrides=["+experiment=pipeline", *bench, *args.overrides, *variant]))
         one.models = job.models  # one model load for all
+        cpu = _CpuAtSteps.attach(one)
         clock = time.perf_counter()
         with contextlib.nullcontext() if llama_steps else transformers_only():
             grpo.train(one, checkpoint, tasks, run / name)
         rows.append(_totals(name, one.cfg, run / name, time.perf_counter() - clock))
+        print(f"{name}: {cpu.summary(one.cfg.grpo.groups_per_step * one.cfg.grpo.group_size, run / name)}")
     print(f"\nGRPO from {checkpoint}, {args.steps} steps, load average {os.getloadavg()[0]:.1f}")
     print(f"{'variant':<26} {'steps s':>8} {'ep/s':>6} {'steps/s':>8} {'x sync':>7} {'train() s':>9} {'held-out':>9}")
     for r in rows:
@@ -115,6 +125,57 @@ VARIANTS = {
     "pipelined": (["grpo.max_off_policy_steps=1"], True),
     "pipelined, train 1 thread": (["grpo.max_off_policy_steps=1", "backend.train_threads=1"], True),
 }
+
+
+class _CpuAtSteps:
+    """getrusage at each logged GRPO step: this process's CPU (sampler, updates) and its children's (sandboxes).
+
+    A child's CPU is counted once it is reaped, which for a sandbox's exec is when the exec returns, so the
+    interval between two steps' ends holds the later step's episodes (and its checkpoint save).
+    """
+
+    def __init__(self):
+        self.marks: list[tuple[float, float]] = []
+
+    @classmethod
+    def attach(cls, job) -> "_CpuAtSteps":
+        cpu, make_tracker = cls(), job.tracker
+
+        def tracker(folder):
+            made = make_tracker(folder)
+            log = made.log
+
+            def logged(metrics, *args, **kwargs):
+                if "time/step" in metrics:
+                    cpu.mark()
+                return log(metrics, *args, **kwargs)
+
+            made.log = logged
+            return made
+
+        job.tracker = tracker
+        cpu.mark()
+        return cpu
+
+    def mark(self) -> None:
+        own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        self.marks.append((own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime))
+
+    def summary(self, episodes_per_step: int, run: Path) -> str:
+        steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        steps = [r for r in steps if "time/step" in r][1:]
+        intervals = list(zip(self.marks[1:], self.marks[2:]))
+        if not intervals:
+            return "CPU: too few steps to measure (the first step's interval holds the model's loading)"
+        episodes = sum(r.get("rollout/episodes", episodes_per_step) for r in steps[: len(intervals)])
+        own = sum(b[0] - a[0] for a, b in intervals) / episodes
+        sandboxes = sum(b[1] - a[1] for a, b in intervals) / episodes
+        cores = len(os.sched_getaffinity(0))
+        return (
+            f"CPU-s per episode over steps 2-{len(intervals) + 1}: this process {own:.3f}, sandboxes {sandboxes:.3f}; "
+            f"{cores} cores allow {cores / (own + sandboxes):.2f} episodes/s at this CPU, "
+            f"{cores / sandboxes:.2f} if the sandboxes alone used them"
+        )
 
 
 def _totals(name: str, cfg, run: Path, train_s: float) -> dict:
