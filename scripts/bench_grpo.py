@@ -22,10 +22,10 @@ step. Also the sandbox-seconds summed over concurrent episodes (`env`,
 `verify`) and the load average, since other work on the machine slows every
 phase. Not a test: the numbers are the output.
 
-Both modes also print where the CPU went, from `getrusage` at each step's end (steps after the first, whose
-interval also holds the model's loading): CPU-s per episode of this process (sampler, updates) and of its
-reaped children (the sandboxes: bwrap, the agent's commands, the tests), and the episodes/s that the
-machine's cores would allow if the sandboxes alone used them.
+Both modes also print where the CPU went between steps' ends (steps after the first, whose interval also
+holds the model's loading): CPU-s per episode of this process (sampler, updates) and of the rest of the
+machine (on an idle machine, the sandboxes: bwrap, the agent's commands, the tests), and the episodes/s
+that the machine's cores would allow at that CPU per episode.
 
 With `--compare` it runs the same steps once per variant (`VARIANTS`: the
 synchronous loop with the sampler's forward passes through transformers, as
@@ -128,10 +128,10 @@ VARIANTS = {
 
 
 class _CpuAtSteps:
-    """getrusage at each logged GRPO step: this process's CPU (sampler, updates) and its children's (sandboxes).
+    """CPU time at each logged GRPO step: this process's (sampler, updates) and the whole machine's.
 
-    A child's CPU is counted once it is reaped, which for a sandbox's exec is when the exec returns, so the
-    interval between two steps' ends holds the later step's episodes (and its checkpoint save).
+    The sandboxes' processes are not all this process's reaped children, so their CPU is taken as the
+    machine's (`/proc/stat`) minus this process's: figures for an otherwise idle machine.
     """
 
     def __init__(self):
@@ -158,8 +158,8 @@ class _CpuAtSteps:
         return cpu
 
     def mark(self) -> None:
-        own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-        self.marks.append((own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime))
+        own = resource.getrusage(resource.RUSAGE_SELF)
+        self.marks.append((own.ru_utime + own.ru_stime, _machine_cpu_s()))
 
     def summary(self, episodes_per_step: int, run: Path) -> str:
         steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -169,13 +169,19 @@ class _CpuAtSteps:
             return "CPU: too few steps to measure (the first step's interval holds the model's loading)"
         episodes = sum(r.get("rollout/episodes", episodes_per_step) for r in steps[: len(intervals)])
         own = sum(b[0] - a[0] for a, b in intervals) / episodes
-        sandboxes = sum(b[1] - a[1] for a, b in intervals) / episodes
-        cores = len(os.sched_getaffinity(0))
+        rest = sum(b[1] - a[1] for a, b in intervals) / episodes - own
+        cores = os.cpu_count() or 1
         return (
-            f"CPU-s per episode over steps 2-{len(intervals) + 1}: this process {own:.3f}, sandboxes {sandboxes:.3f}; "
-            f"{cores} cores allow {cores / (own + sandboxes):.2f} episodes/s at this CPU, "
-            f"{cores / sandboxes:.2f} if the sandboxes alone used them"
+            f"CPU-s per episode over steps 2-{len(intervals) + 1}: this process {own:.3f}, the rest of the machine "
+            f"(the sandboxes, if nothing else ran) {rest:.3f}; {cores} cores allow {cores / (own + rest):.2f} "
+            f"episodes/s at this CPU, {cores / rest:.2f} if the sandboxes alone used them"
         )
+
+
+def _machine_cpu_s() -> float:
+    """Busy CPU-seconds of the whole machine since boot: /proc/stat's user, nice, system, irq and softirq."""
+    user, nice, system, _idle, _iowait, irq, softirq = (int(v) for v in Path("/proc/stat").read_text().split()[1:8])
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
 def _totals(name: str, cfg, run: Path, train_s: float) -> dict:
