@@ -162,8 +162,7 @@ class _CpuAtSteps:
         self.marks.append((own.ru_utime + own.ru_stime, _machine_cpu_s()))
 
     def summary(self, episodes_per_step: int, run: Path) -> str:
-        steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-        steps = [r for r in steps if "time/step" in r][1:]
+        steps = _step_rows(run)[1:]
         intervals = list(zip(self.marks[1:], self.marks[2:]))
         if not intervals:
             return "CPU: too few steps to measure (the first step's interval holds the model's loading)"
@@ -184,8 +183,17 @@ def _machine_cpu_s() -> float:
     return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
+def _rows(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _step_rows(run: Path) -> list[dict]:
+    """The metrics rows of GRPO's steps (the held-out evals' rows are apart)."""
+    return [r for r in _rows(run) if "time/step" in r]
+
+
 def _totals(name: str, cfg, run: Path, train_s: float) -> dict:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = _rows(run)
     steps = [r for r in rows if "time/step" in r]
     steps_s = sum(r["time/step"] for r in steps)
     episodes = sum(r.get("rollout/episodes", r["rollout/groups"] * cfg.grpo.group_size) for r in steps)
@@ -203,8 +211,7 @@ def _totals(name: str, cfg, run: Path, train_s: float) -> dict:
 
 
 def _print_steps(cfg, run: Path) -> None:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if "time/step" in r]
+    steps = _step_rows(run)
     episodes = cfg.grpo.groups_per_step * cfg.grpo.group_size
     print(
         f"\nGRPO: {cfg.grpo.groups_per_step} groups x {cfg.grpo.group_size} episodes a step, "

@@ -3,7 +3,7 @@
 Layout: task.toml, instruction.md, environment/Dockerfile plus
 environment/app/ (copied to /app), tests/test.sh plus tests/test_outputs.py
 (the family's checks with this instance's expected values embedded) and
-tests/run_tests.py (which runs them as pytest would, at a tenth of its start-up CPU:
+tests/run_tests.py (which runs them as pytest would, at a quarter of its CPU:
 `tbexp/tasks/builtin/run_tests.py`), and
 solution/solve.sh (the oracle, one complete command per line so each line
 can be replayed as one agent turn). Files are written in a fixed order with
