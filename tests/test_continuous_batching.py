@@ -122,6 +122,20 @@ def test_greedy_decoding_equals_the_existing_sampler(tmp_path):
     assert got[0].logprobs == pytest.approx(want.logprobs, abs=1e-4)
 
 
+def test_the_longest_sequence_is_the_model_configs_context_not_max_position_embeddings(tmp_path):
+    """model.max_length_tokens (here 512) decides how long a sequence may grow, not the checkpoint's
+    max_position_embeddings (256): a terminus-2 conversation outgrows the tiny model's 4,096."""
+    greedy = types.SamplingParams(max_tokens=30, temperature=0.0, stop=[])
+    long_prompt = Request(random_tokens(240, 7), greedy)
+    with pytest.raises(ValueError, match="exceeds the batcher's 256 tokens a sequence"):
+        trained_backend(tmp_path / "a", continuous_batching=True).sampler().sample_batch([long_prompt])
+    b = trained_backend(tmp_path / "b", continuous_batching=True, max_sequence_tokens=512)
+    got = b.sampler().sample_batch([long_prompt])[0]
+    want = trained_backend(tmp_path / "ref").sampler().sample_batch([long_prompt])[0]  # the default sampler
+    assert len(got.tokens) == 30 and got.tokens == want.tokens
+    assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
+
+
 def test_samples_of_one_prompt_and_later_turns_share_cached_pages(tmp_path):
     b = trained_backend(tmp_path, continuous_batching=True)
     sampler = b.sampler()

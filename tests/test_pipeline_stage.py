@@ -111,6 +111,15 @@ def test_pipeline_writes_the_base_sft_rl_table_and_resumes(rootfs, tmp_path):
     said = hotter.stdout + hotter.stderr
     assert "row from the cache" not in said and "eval base:" in said and "eval sft:" in said
 
+    # A filter that keeps no RL task stops the job with the error, its base and SFT rows reported all the same.
+    # (With k=2 a solve rate is 0, 0.5 or 1: none lies in [0.6, 0.9].)
+    strict = tmp_path / "strict"
+    none_kept = _tbexp(*miniature, "task_filter.lower=0.6", "task_filter.upper=0.9", f"hydra.run.dir={strict}")
+    assert none_kept.returncode != 0 and "no RL tasks kept" in none_kept.stderr, none_kept.stderr[-3000:]
+    table = (strict / "table.md").read_text()
+    assert "| base |" in table and "| sft |" in table and "| rl |" not in table
+    assert json.loads((strict / "summary.json").read_text())["sft"] == summary["sft"]
+
 
 @pytest.mark.sandbox
 def test_eval_compares_candidates_and_gives_a_promotion_verdict(rootfs, tmp_path):

@@ -134,6 +134,7 @@ class LocalBackend(TrainingBackend):
         continuous_batching: bool = False,
         kv_cache_tokens: int = 0,
         max_concurrent_sequences: int = 256,
+        max_sequence_tokens: int = 0,
     ):
         _check_plain_lm_head(model.config)
         self.tokenizer = tokenizer
@@ -157,7 +158,13 @@ class LocalBackend(TrainingBackend):
         self.cuda_graph_sampling = cuda_graph_sampling
         self.train_threads = train_threads
         self.continuous_batching = continuous_batching
-        self._batcher_options = {"kv_cache_tokens": kv_cache_tokens, "max_batch": max_concurrent_sequences}
+        # The running batch's longest sequence is the model config's context limit (model.max_length_tokens), not
+        # the checkpoint's max_position_embeddings: a terminus-2 conversation may outgrow the latter.
+        self._batcher_options = {
+            "kv_cache_tokens": kv_cache_tokens,
+            "max_batch": max_concurrent_sequences,
+            "max_seq_tokens": max_sequence_tokens,
+        }
         self._batcher: ContinuousBatcher | None = None  # built by the first sampler needing it; kept across snapshots
         self.dtype = getattr(torch, dtype) if dtype else None
         if self.dtype is not None:  # before the move, so the device never holds the wider copy

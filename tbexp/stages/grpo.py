@@ -91,6 +91,10 @@ def rl_tasks(job: Any, start: str, out: Path) -> list:
     return kept_tasks(job, filter_stage.select_for_rl(job, out / "filter", start).path)
 
 
+class NoTasksKept(DataError):
+    """The filter kept no RL task: nothing for GRPO to train on."""
+
+
 def kept_tasks(job: Any, path: Path) -> list:
     """The RL candidates that a selection file (the filter's kept_tasks.json) keeps; none kept is an error."""
     if not path.exists():
@@ -102,7 +106,7 @@ def kept_tasks(job: Any, path: Path) -> list:
     if not tasks:
         f = job.cfg.task_filter
         rated = len(selection.get("rates") or candidates)  # the filter rates task_filter.max_tasks of the candidates
-        raise DataError(
+        raise NoTasksKept(
             f"{path}: no RL tasks kept (solve rate in [{f.lower}, {f.upper}] of {rated} candidates rated); widen task_filter.lower/upper, raise task_filter.k, or train SFT further"
         )
     return tasks

@@ -39,7 +39,7 @@ EVAL_FOLDERS["final"] = "eval_final"
 def run(job: Any) -> dict[str, float]:
     from tbexp.stages import collect, grpo, sft
     from tbexp.stages import filter as filter_stage
-    from tbexp.stages.eval import compare, evaluate_checkpoint
+    from tbexp.stages.eval import evaluate_checkpoint
 
     cfg, out = job.cfg, job.run_dir
     done = _Done(out / "pipeline_state.json")
@@ -67,7 +67,12 @@ def run(job: Any) -> dict[str, float]:
         selection = filter_stage.Selection.from_summary(
             done.get("filter", lambda: filter_stage.select_for_rl(job, out / "filter", checkpoint).summary())
         )
-        rl_tasks = grpo.kept_tasks(job, selection.path)
+        try:
+            rl_tasks = grpo.kept_tasks(job, selection.path)
+        except grpo.NoTasksKept:
+            if "grpo" in parts:
+                _report(job, out, done, parts)  # the base and SFT rows stand; the error says what to change
+            raise
     if "grpo" in parts:
         if rl_tasks is None:
             rl_tasks = grpo.rl_tasks(job, checkpoint, out / "grpo")
@@ -86,6 +91,16 @@ def run(job: Any) -> dict[str, float]:
     if cfg.eval.incumbent and "final_eval" in done.results:  # a named checkpoint the last row must beat
         done.get("incumbent_eval", lambda: _eval_once(job, out, "eval_incumbent", cfg.eval.incumbent, "incumbent"))
 
+    rows = _report(job, out, done, parts)
+    final = list(rows.values())[-1] if rows else {}
+    return {k: v for k, v in final.items() if isinstance(v, float)}
+
+
+def _report(job: Any, out: Path, done: "_Done", parts: Any) -> dict[str, dict[str, float]]:
+    """The table of the rows done so far, printed and saved with `summary.json`, and sent to the tracker."""
+    from tbexp.stages.eval import compare
+
+    cfg = job.cfg
     names = {"base": "base", "sft_eval": "sft", "incumbent_eval": "incumbent"}
     names["final_eval"] = "rl" if "grpo" in parts else "final"
     rows = {name: done.results[key] for key, name in names.items() if key in done.results}
@@ -105,8 +120,7 @@ def run(job: Any) -> dict[str, float]:
     tracker.log({f"{name}/{k}": v for name, metrics in rows.items() for k, v in metrics.items()})
     tracker.finish()
     print(f"run directory: {out}")
-    final = list(rows.values())[-1] if rows else {}
-    return {k: v for k, v in final.items() if isinstance(v, float)}
+    return rows
 
 
 def _gate(settings: Any, rows: dict[str, dict[str, float]], records: dict[str, Any]) -> dict[str, Any]:
