@@ -63,19 +63,18 @@ def run(job: Any) -> dict[str, float]:
         checkpoint = sft.SFTResult.from_summary(trained).checkpoint
         done.get("base", lambda: _eval_once(job, out, "eval_base", cfg.load_checkpoint, label="base"))
         done.get("sft_eval", lambda: _eval_once(job, out, "eval_sft", checkpoint, label="sft"))
-    if "filter" in parts:
-        selection = filter_stage.Selection.from_summary(
-            done.get("filter", lambda: filter_stage.select_for_rl(job, out / "filter", checkpoint).summary())
-        )
-        try:
+    try:  # the filter part, or stage=grpo's own filter when there is none, may keep no RL task
+        if "filter" in parts:
+            selection = filter_stage.Selection.from_summary(
+                done.get("filter", lambda: filter_stage.select_for_rl(job, out / "filter", checkpoint).summary())
+            )
             rl_tasks = grpo.kept_tasks(job, selection.path)
-        except grpo.NoTasksKept:
-            if "grpo" in parts:
-                _report(job, out, done, parts)  # the base and SFT rows stand; the error says what to change
-            raise
-    if "grpo" in parts:
-        if rl_tasks is None:
+        if "grpo" in parts and rl_tasks is None:
             rl_tasks = grpo.rl_tasks(job, checkpoint, out / "grpo")
+    except grpo.NoTasksKept:
+        _report(job, out, done, parts)  # the rows done so far stand; the error says what to change
+        raise
+    if "grpo" in parts:
         rl = grpo.RLResult.from_summary(
             done.get("grpo", lambda: grpo.train(job, checkpoint, rl_tasks, out / "grpo").summary())
         )
@@ -96,7 +95,7 @@ def run(job: Any) -> dict[str, float]:
     return {k: v for k, v in final.items() if isinstance(v, float)}
 
 
-def _report(job: Any, out: Path, done: "_Done", parts: Any) -> dict[str, dict[str, float]]:
+def _report(job: Any, out: Path, done: _Done, parts: Any) -> dict[str, dict[str, float]]:
     """The table of the rows done so far, printed and saved with `summary.json`, and sent to the tracker."""
     from tbexp.stages.eval import compare
 
