@@ -37,10 +37,20 @@ fi
 stamp=.venv/.tbexp-installed
 want=$(sha256sum pyproject.toml | cut -c1-16)
 if [ "$(cat $stamp 2>/dev/null)" != "$want" ]; then
+  # torch with its CUDA libraries makes .venv about 6.5 GB, and pip unpacks each wheel beside it first: say so
+  # before minutes of downloading rather than after pip runs out of space half-way.
+  free_gib=$(df -Pk . | awk 'NR==2 {print int($4 / 1048576)}')
+  if [ "$free_gib" -lt 9 ]; then
+    echo "tbexp setup: installing into .venv needs about 9 GiB free on $(df -P . | awk 'NR==2 {print $6}'); $free_gib GiB are free" >&2
+    exit 1
+  fi
   echo "installing tbexp and its dependencies into .venv (torch is large: a few minutes the first time) ..." >&2
   if ! { .venv/bin/python -m pip install -q --upgrade pip && .venv/bin/python -m pip install -q -e '.[dev]'; } >.venv/pip.log 2>&1 \
      || ! .venv/bin/python -c 'import tbexp, hydra, torch, harbor'; then
     grep -v "^WARNING: Location" .venv/pip.log | tail -30 >&2
+    if grep -q "No space left on device" .venv/pip.log; then
+      echo "tbexp setup: the disk filled up during the install ($(df -Ph . | awk 'NR==2 {print $4}') free now); free space and run again" >&2
+    fi
     echo "tbexp setup: installing into .venv failed (full log: .venv/pip.log)" >&2
     exit 1
   fi
