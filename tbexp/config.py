@@ -299,6 +299,9 @@ class SamplingConfig:
     temperature: float = 0.7  # 0 = greedy
     top_p: float = 1.0
     max_tokens: int = 96  # per reply
+    # Concurrent episodes' replies batched all at once, in seed order, so a run's results depend on its seeds alone
+    # (batch_sampling.BatchQueue); false: whatever is waiting, the sampler busier, last bits that follow thread timing
+    lockstep: bool = True
 
 
 @dataclass

@@ -7,8 +7,8 @@ on a few built-in tasks of four families, in a fresh cache, and compares the job
 verifier all decide these numbers, so a change there that moves a result shows
 here too. Every part runs one episode at a time: the sampler batches concurrent
 requests, and a batched matrix product rounds differently from a single one
-(backends/batch_sampling.py), so with more at once the numbers would depend on
-which requests met in a batch, i.e. on thread timing. At one a time two runs agree
+(backends/batch_sampling.py), so the recording would hold the rounding of batches
+that a change of batching (sampling.lockstep, batch sizes) moves. At one a time two runs agree
 bit for bit, and so must this one with the recording, except the keys in TOLERANCES.
 The other source of run-to-run change is the commands themselves: what several
 processes write to one pipe arrives in scheduling order, so the settings below are

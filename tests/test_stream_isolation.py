@@ -1,10 +1,8 @@
 """Held-out evals leave GRPO's rollouts alone: a rollout is a function of the weights and its own random stream.
 
 The suspicion this rules out: an eval drawn from another seed (its sampler, the process's global random
-state, a shared sampler RNG) changing the rollouts that follow it. Everything runs one episode at a time,
-because concurrent requests meet in sampling batches by thread timing, and a batch rounds differently from a
-lone request (tests/test_recipe_golden.py): that, not the eval seed, moves rollout numbers between two runs
-of the default job (grpo.concurrency=16).
+state, a shared sampler RNG) changing the rollouts that follow it. Everything runs one episode at a time, so
+that no batch's rounding can be in question (tests/test_lockstep.py covers concurrent episodes' batches).
 """
 
 from __future__ import annotations

@@ -143,11 +143,21 @@ class BatchQueue:
     request queued so far; the others wait for their answers. No timer: a
     batch is whatever arrived while the previous one ran, so a lone caller
     never waits and a busy moment fills the batch by itself.
+
+    Which requests meet in a batch then follows thread timing, and a batched
+    product rounds differently from a lone one: two runs of the same seeds
+    differ in the last bits, and then by the draws those bits tip. After
+    `lockstep(workers, jobs)` a batch instead waits until every worker that
+    still has a job is waiting (each worker tells `job_done()` as it finishes
+    one), and runs them sorted by seed and prompt: the same batches on every
+    run, at the cost of the sampler idling while the slowest command runs.
     """
 
     def __init__(self, run_batch, max_batch: int = 64):
         self.run_batch = run_batch
         self.max_batch = max_batch
+        self._workers = 0  # lockstep: how many threads run jobs (0 = off), and how many jobs are not done
+        self._unfinished = 0
         # Waiters sleep on this until a batch ends instead of polling (15 waiters polling every 5 ms woke 3,000 times
         # a second, each time taking the GIL from the thread that runs the batch, to find nothing to do).
         self._changed = threading.Condition()
@@ -157,32 +167,62 @@ class BatchQueue:
         self.requests = 0
         self.busy_s = 0.0
 
+    def lockstep(self, workers: int, jobs: int) -> None:
+        """From now on, batch the requests of all `workers` at once while `jobs` (counted down by `job_done`) last."""
+        with self._changed:
+            self._workers, self._unfinished = workers, jobs
+            self._changed.notify_all()
+
+    def job_done(self) -> None:
+        with self._changed:
+            self._unfinished -= 1
+            self._changed.notify_all()
+
+    def _ready(self) -> bool:
+        if not self._waiting:
+            return False
+        return not self._workers or len(self._waiting) >= min(self._workers, self._unfinished)
+
     def submit(self, request: Request) -> SampledSequence:
         future: Future = Future()
         with self._changed:
             self._waiting.append((request, future))
         while True:
             with self._changed:
-                while not future.done() and (self._running or not self._waiting):
+                while not future.done() and (self._running or not self._ready()):
                     self._changed.wait()
                 if future.done():
                     break
-                batch, self._waiting = self._waiting[: self.max_batch], self._waiting[self.max_batch :]
+                if self._workers:  # every worker's request, in an order that does not depend on who asked first
+                    waiting, self._waiting = sorted(self._waiting, key=lambda pair: _order(pair[0])), []
+                else:
+                    waiting, self._waiting = self._waiting[: self.max_batch], self._waiting[self.max_batch :]
                 self._running = True
-            start = time.perf_counter()
-            try:
-                answers = self.run_batch([r for r, _ in batch])
-                for (_, f), answer in zip(batch, answers):
-                    f.set_result(answer)
-            except BaseException as err:  # every waiter learns of the failure, not only this thread
-                for _, f in batch:
-                    if not f.done():
-                        f.set_exception(err)
-            finally:
-                with self._changed:
-                    self._running = False
-                    self.batches += 1
-                    self.requests += len(batch)
-                    self.busy_s += time.perf_counter() - start
-                    self._changed.notify_all()
+            for at in range(0, len(waiting), self.max_batch):
+                self._run(waiting[at : at + self.max_batch])
+            with self._changed:
+                self._running = False
+                self._changed.notify_all()
         return future.result()
+
+    def _run(self, batch: list[tuple[Request, Future]]) -> None:
+        start = time.perf_counter()
+        try:
+            answers = self.run_batch([r for r, _ in batch])
+            for (_, f), answer in zip(batch, answers):
+                f.set_result(answer)
+        except BaseException as err:  # every waiter learns of the failure, not only this thread
+            for _, f in batch:
+                if not f.done():
+                    f.set_exception(err)
+        finally:
+            with self._changed:
+                self.batches += 1
+                self.requests += len(batch)
+                self.busy_s += time.perf_counter() - start
+
+
+def _order(request: Request) -> tuple:
+    """A request's place in a lockstep batch: its seed (a function of task, run and turn), then its prompt."""
+    seed = getattr(getattr(request, "params", None), "seed", None)
+    return (seed is None, seed or 0, getattr(request, "prompt", None) or [])

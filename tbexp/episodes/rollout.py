@@ -292,13 +292,12 @@ def run_episodes(
     on_done: Callable[[Episode], None] | None = None,
     desc: str = "episodes",
 ) -> list[Episode]:
-    """Run `run_one(task, run)` for every job, `concurrency` at a time, with a progress bar."""
+    """Run `run_one(task, run)` for every job, `concurrency` at a time, with a progress bar; episodes in job order."""
     import sys
 
     from tqdm import tqdm
 
     jobs = list(jobs)
-    episodes: list[Episode] = []
     refresh_s = 0.2 if sys.stderr.isatty() else 15.0  # a log file gets a line every 15 s, not every episode
     with (
         ThreadPoolExecutor(max_workers=concurrency) as pool,
@@ -307,7 +306,6 @@ def run_episodes(
         futures = [pool.submit(run_one, task, run) for task, run in jobs]
         for future in as_completed(futures):
             episode = future.result()
-            episodes.append(episode)
             if on_done:
                 on_done(episode)
             bar.update(1)
@@ -317,4 +315,4 @@ def run_episodes(
                 bar.write(
                     f"damaged episode {episode.task.name} run {episode.run} (scored): {episode.damage.splitlines()[0]}"
                 )
-    return episodes
+    return [future.result() for future in futures]  # job order, not the order they finished in
