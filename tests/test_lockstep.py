@@ -11,13 +11,13 @@ from __future__ import annotations
 import random
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
 
 from tbexp.backends.batch_sampling import BatchQueue, Request
 from tbexp.episodes import policies
+from tbexp.episodes.rollout import run_episodes
 from tbexp.stages import eval as eval_stage
 from tests.conftest import compose_job
 
@@ -38,24 +38,26 @@ def _batches_of_one_run(workers: int, turns_by_job: list[int]) -> list[tuple[int
     queue = BatchQueue(run_batch, max_batch=3)  # smaller than the workers: a lockstep round runs in several batches
     queue.lockstep(workers, len(turns_by_job))
 
-    def job(j: int) -> list[int]:
+    def job(j: int, _run: int) -> SimpleNamespace:  # as run_policy's run_one: one episode, then job_done
         try:
             answers = []
             for turn in range(turns_by_job[j]):
                 time.sleep(JITTER.random() * 0.004)  # a command's run time, different every run
                 answers.append(queue.submit(Request([j], SimpleNamespace(seed=1000 * j + turn))))
-            return answers
+            return SimpleNamespace(answers=answers, invalid="", damage="")
         finally:
             queue.job_done()
 
-    with ThreadPoolExecutor(workers) as pool:
-        answers = list(pool.map(job, range(len(turns_by_job))))
+    episodes = run_episodes([(j, 0) for j in range(len(turns_by_job))], workers, job, desc="lockstep")
+    answers = [episode.answers for episode in episodes]
     assert answers == [[1000 * j + t for t in range(n)] for j, n in enumerate(turns_by_job)]  # each its own answer
     return batches
 
 
 def test_lockstep_batches_are_the_same_whatever_the_timing():
-    turns_by_job = [3, 1, 4, 1, 5, 0, 2, 6, 5, 3]  # a job with no request (an episode that never samples) too
+    # Jobs with no request (episodes that end before sampling) too, first of all: a worker thread that ends its job
+    # at once must still be there for the next round, or the others would wait for it forever.
+    turns_by_job = [0, 0, 3, 1, 4, 1, 5, 0, 2, 6, 5, 3]
     first = _batches_of_one_run(4, turns_by_job)
     for _ in range(5):
         assert _batches_of_one_run(4, turns_by_job) == first

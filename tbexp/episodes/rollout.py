@@ -20,10 +20,11 @@ says so, so such episodes can be counted and told apart.
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -292,20 +293,43 @@ def run_episodes(
     on_done: Callable[[Episode], None] | None = None,
     desc: str = "episodes",
 ) -> list[Episode]:
-    """Run `run_one(task, run)` for every job, `concurrency` at a time, with a progress bar; episodes in job order."""
+    """Run `run_one(task, run)` for every job on `min(concurrency, jobs)` threads, with a progress bar; the episodes
+    in job order. Exactly that many threads take jobs until none is left (a lockstep sampling batch waits for each
+    of them: batch_sampling.BatchQueue); a job that raises is re-raised once every job has run."""
     import sys
 
     from tqdm import tqdm
 
     jobs = list(jobs)
+    results: list[Any] = [None] * len(jobs)
+    finished: queue.Queue = queue.Queue()  # (job index, raised) as each job ends
+    pending = iter(range(len(jobs)))
+    take = threading.Lock()
+
+    def work() -> None:
+        while True:
+            with take:
+                i = next(pending, None)
+            if i is None:
+                return
+            try:
+                results[i] = run_one(*jobs[i])
+                finished.put((i, None))
+            except BaseException as err:  # handed to the caller's thread, raised there
+                finished.put((i, err))
+
+    threads = [threading.Thread(target=work, name=f"{desc}-{n}") for n in range(min(concurrency, len(jobs)))]
+    for thread in threads:
+        thread.start()
+    first_error = None
     refresh_s = 0.2 if sys.stderr.isatty() else 15.0  # a log file gets a line every 15 s, not every episode
-    with (
-        ThreadPoolExecutor(max_workers=concurrency) as pool,
-        tqdm(total=len(jobs), desc=desc, unit="ep", dynamic_ncols=True, mininterval=refresh_s) as bar,
-    ):
-        futures = [pool.submit(run_one, task, run) for task, run in jobs]
-        for future in as_completed(futures):
-            episode = future.result()
+    with tqdm(total=len(jobs), desc=desc, unit="ep", dynamic_ncols=True, mininterval=refresh_s) as bar:
+        for _ in jobs:
+            i, err = finished.get()
+            if err is not None:
+                first_error = first_error or err
+                continue
+            episode = results[i]
             if on_done:
                 on_done(episode)
             bar.update(1)
@@ -315,4 +339,8 @@ def run_episodes(
                 bar.write(
                     f"damaged episode {episode.task.name} run {episode.run} (scored): {episode.damage.splitlines()[0]}"
                 )
-    return [future.result() for future in futures]  # job order, not the order they finished in
+    for thread in threads:
+        thread.join()
+    if first_error is not None:
+        raise first_error
+    return results  # job order, not the order they finished in
