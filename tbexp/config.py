@@ -482,6 +482,7 @@ def check(cfg: Any) -> None:
     for key, value in (
         ("eval.n_runs", cfg.eval.n_runs),
         ("eval.concurrency", cfg.eval.concurrency),
+        ("collect.concurrency", cfg.collect.concurrency),
         ("agent.max_turns", cfg.agent.max_turns),
     ):
         if value < 1:

@@ -112,6 +112,7 @@ def test_wrong_type_is_refused():
         (["task_filter.upper=1.5"], "[0, 1]"),
         (["task_filter.k=0"], "task_filter.k"),
         (["eval.n_runs=0"], "eval.n_runs"),
+        (["collect.concurrency=0"], "collect.concurrency"),
         (["grpo.group_size=1"], "grpo.group_size"),
         (["grpo.clip_low_threshold=1.1"], "need low < 1 < high"),
         (["grpo.negative_weight=-0.5"], "grpo.negative_weight"),

@@ -300,6 +300,8 @@ def run_episodes(
 
     from tqdm import tqdm
 
+    if concurrency < 1:  # no thread would take a job, and the caller would wait for ever
+        raise ValueError(f"concurrency={concurrency}: at least one episode at a time")
     jobs = list(jobs)
     results: list[Any] = [None] * len(jobs)
     finished: queue.Queue = queue.Queue()  # (job index, raised) as each job ends
