@@ -204,29 +204,23 @@ def run_policy(
         print(f"unrunnable task {name} (skipped): {reason}", file=sys.stderr)
     tasks = [task for task in tasks if task.name not in unrunnable]
 
+    def run_one(task, run_index):
+        if stop is not None and stop.is_set():
+            raise RolloutsCancelled(f"{task.name} run {run_index}")
+        return run_episode(
+            task,
+            run_index,
+            agent,
+            lambda t, a: make_policy(policy, t, a, runtime, run_index),
+            job.sandbox_settings,
+            job.cfg.agent.max_turns,
+        )
+
     jobs = [(task, r) for r in range(n_runs) for task in tasks]
     queue = getattr(runtime, "queue", None)
-    lockstep = hasattr(queue, "lockstep") and job.cfg.sampling.lockstep
-    if lockstep:  # the same sampling batches on every run, so the results depend on the seeds alone
-        queue.lockstep(min(concurrency, len(jobs)), len(jobs))
-
-    def run_one(task, run_index):
-        try:
-            if stop is not None and stop.is_set():
-                raise RolloutsCancelled(f"{task.name} run {run_index}")
-            return run_episode(
-                task,
-                run_index,
-                agent,
-                lambda t, a: make_policy(policy, t, a, runtime, run_index),
-                job.sandbox_settings,
-                job.cfg.agent.max_turns,
-            )
-        finally:
-            if lockstep:
-                queue.job_done()
-
-    return run_episodes(jobs, concurrency, run_one, desc=desc)
+    # the same sampling batches on every run, so the results depend on the seeds alone
+    lockstep = queue if hasattr(queue, "lockstep") and job.cfg.sampling.lockstep else None
+    return run_episodes(jobs, concurrency, run_one, desc=desc, lockstep=lockstep)
 
 
 def checkpoint_bytes(checkpoint: str) -> Iterator[bytes]:

@@ -36,19 +36,16 @@ def _batches_of_one_run(workers: int, turns_by_job: list[int]) -> list[tuple[int
         return [r.params.seed for r in requests]
 
     queue = BatchQueue(run_batch, max_batch=3)  # smaller than the workers: a lockstep round runs in several batches
-    queue.lockstep(workers, len(turns_by_job))
 
-    def job(j: int, _run: int) -> SimpleNamespace:  # as run_policy's run_one: one episode, then job_done
-        try:
-            answers = []
-            for turn in range(turns_by_job[j]):
-                time.sleep(JITTER.random() * 0.004)  # a command's run time, different every run
-                answers.append(queue.submit(Request([j], SimpleNamespace(seed=1000 * j + turn))))
-            return SimpleNamespace(answers=answers, invalid="", damage="")
-        finally:
-            queue.job_done()
+    def job(j: int, _run: int) -> SimpleNamespace:  # as run_policy's run_one: one episode's replies
+        answers = []
+        for turn in range(turns_by_job[j]):
+            time.sleep(JITTER.random() * 0.004)  # a command's run time, different every run
+            answers.append(queue.submit(Request([j], SimpleNamespace(seed=1000 * j + turn))))
+        return SimpleNamespace(answers=answers, invalid="", damage="")
 
-    episodes = run_episodes([(j, 0) for j in range(len(turns_by_job))], workers, job, desc="lockstep")
+    jobs = [(j, 0) for j in range(len(turns_by_job))]
+    episodes = run_episodes(jobs, workers, job, desc="lockstep", lockstep=queue)
     answers = [episode.answers for episode in episodes]
     assert answers == [[1000 * j + t for t in range(n)] for j, n in enumerate(turns_by_job)]  # each its own answer
     return batches

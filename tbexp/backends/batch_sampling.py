@@ -224,5 +224,5 @@ class BatchQueue:
 
 def _order(request: Request) -> tuple:
     """A request's place in a lockstep batch: its seed (a function of task, run and turn), then its prompt."""
-    seed = getattr(getattr(request, "params", None), "seed", None)
-    return (seed is None, seed or 0, getattr(request, "prompt", None) or [])
+    seed = request.params.seed
+    return (seed is None, seed or 0, request.prompt)

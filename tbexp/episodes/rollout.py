@@ -292,10 +292,12 @@ def run_episodes(
     run_one: Callable[[Task, int], Episode],
     on_done: Callable[[Episode], None] | None = None,
     desc: str = "episodes",
+    lockstep: Any = None,
 ) -> list[Episode]:
     """Run `run_one(task, run)` for every job on `min(concurrency, jobs)` threads, with a progress bar; the episodes
-    in job order. Exactly that many threads take jobs until none is left (a lockstep sampling batch waits for each
-    of them: batch_sampling.BatchQueue); a job that raises is re-raised once every job has run."""
+    in job order. Exactly that many threads take jobs until none is left, so `lockstep` (a BatchQueue the jobs
+    sample through) can batch one request from each of them (batch_sampling.BatchQueue.lockstep); a job that
+    raises is re-raised once every job has run."""
     import sys
 
     from tqdm import tqdm
@@ -319,8 +321,13 @@ def run_episodes(
                 finished.put((i, None))
             except BaseException as err:  # handed to the caller's thread, raised there
                 finished.put((i, err))
+            finally:
+                if lockstep is not None:
+                    lockstep.job_done()
 
     threads = [threading.Thread(target=work, name=f"{desc}-{n}") for n in range(min(concurrency, len(jobs)))]
+    if lockstep is not None:
+        lockstep.lockstep(len(threads), len(jobs))
     for thread in threads:
         thread.start()
     first_error = None
