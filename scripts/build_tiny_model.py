@@ -2,13 +2,19 @@
 
     python scripts/build_tiny_model.py              # writes tbexp/models/tiny/ (about a minute or two on 2 cores)
     python scripts/build_tiny_model.py --check      # then measures what SFT on the built-in tasks buys
+    python scripts/build_tiny_model.py --protocol terminus_2 --vocab 2000 --steps 1000   # tiny_terminus/ (23 min)
 
 Deterministic from `--seed` on one machine (same CPU kind, same torch). Four steps:
 
 1. A synthetic corpus of short raw_command episodes (`episodes` below): an
    instruction in the raw_command prompt, one bash command per assistant
    turn, made-up command output plus `[exit N]` as the next user turn, and
-   `exit` at the end. Generic chores over generic names (half of them
+   `exit` at the end. With `--protocol terminus_2` the same chores as
+   Harbor's terminus-2 shows them (`_TerminusWriter`), every other one: its
+   2,900-character prompt with the instruction near the end, JSON replies,
+   a 40-row pane as the observation, the double `task_complete`. The
+   raw_command model never saw a prompt that long, and after SFT it does
+   not tell the tasks apart from it (docs/terminus-2.md). Generic chores over generic names (half of them
    made-up words, so that copying a name of several tokens from the
    instruction is learnt); none of the built-in task families' name pools,
    instructions or command templates, so the model knows the protocol and
@@ -41,6 +47,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -58,11 +65,14 @@ CHAT_TEMPLATE = (  # the `plain` renderer's format, for tools that use apply_cha
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 BUILD_COMMAND = "python scripts/build_tiny_model.py"
+TERMINUS_INSTRUCTION_MARK = "Task Description:\n"  # in Harbor's template, just before the instruction
+PROTOCOL_DIRS = {"raw_command": "tiny", "terminus_2": "tiny_terminus"}  # the agent the corpus speaks -> tbexp/models/
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=REPO / "tbexp" / "models" / "tiny")
+    parser.add_argument("--protocol", choices=PROTOCOL_DIRS, default="raw_command", help="the agent the corpus speaks")
+    parser.add_argument("--out", type=Path, help="default: tbexp/models/tiny (raw_command), tiny_terminus (terminus_2)")
     parser.add_argument("--steps", type=int, default=600, help="pretraining steps of --batch episodes")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch", type=int, default=16)
@@ -77,17 +87,27 @@ def main() -> None:
     parser.add_argument(
         "--check", action="store_true", help="measure held-out first-command exact match before and after SFT"
     )
+    parser.add_argument(
+        "--check-only", action="store_true", help="no build: --check on the model in --out, in --protocol's format"
+    )
     parser.add_argument("--check-steps", type=int, default=300)
     parser.add_argument("--check-lr", type=float, default=2e-3)
     parser.add_argument("--check-lora-rank", type=int, default=0, help="0 = full fine-tuning")
     args = parser.parse_args()
+    args.out = args.out or REPO / "tbexp" / "models" / PROTOCOL_DIRS[args.protocol]
     torch.set_num_threads(args.threads)
+    if (
+        args.check_only
+    ):  # e.g. the raw_command model on terminus-2's prompt: `--protocol terminus_2 --out tbexp/models/tiny`
+        print(json.dumps(check(args), indent=1))
+        return
     started = time.time()
 
-    corpus = episodes(random.Random(args.seed), args.steps * args.batch)
+    corpus = episodes(random.Random(args.seed), args.steps * args.batch, args.protocol)
     tokenizer = _train_tokenizer(corpus, args.vocab)
     renderer = make_renderer("plain", tokenizer)
     data = [renderer.supervised(messages)[0] for messages in corpus]
+    weights = [_weights(tokenizer, messages, tokens) for messages, tokens in zip(corpus, data)]
     print(
         f"corpus: {len(corpus)} episodes, {sum(map(len, data))} tokens ({sum(map(len, data)) / len(data):.0f} per episode)"
     )
@@ -96,12 +116,12 @@ def main() -> None:
     model = _build_model(args, tokenizer)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params:,} parameters")
-    losses = _train(
-        model, [(t, [1.0] * len(t)) for t in data], tokenizer.pad_token_id, args, args.steps, args.lr, bucket=True
-    )
+    losses = _train(model, list(zip(data, weights)), tokenizer.pad_token_id, args, args.steps, args.lr, bucket=True)
     build_s = time.time() - started
 
     record = {
+        "protocol": args.protocol,
+        "vocab": args.vocab,
         "seed": args.seed,
         "steps": args.steps,
         "params": n_params,
@@ -472,9 +492,9 @@ TEMPLATES: tuple[tuple[str, str, str], ...] = (
 )
 
 
-def episodes(rng: random.Random, count: int) -> list[list[dict]]:
-    """`count` raw_command conversations (user/assistant messages), each ending with the reply `exit`."""
-    from types import SimpleNamespace
+def episodes(rng: random.Random, count: int, protocol: str = "raw_command") -> list[list[dict]]:
+    """`count` conversations (user/assistant messages): raw_command ones end with the reply `exit`, terminus_2
+    ones with the confirmed `task_complete`."""
 
     from tbexp.agents.base import Action, Turn
     from tbexp.agents.raw_command import DONE, RawCommandAgent
@@ -495,9 +515,16 @@ def episodes(rng: random.Random, count: int) -> list[list[dict]]:
         )
     }
     conversations = []
-    for _ in range(count):
+    terminus = _TerminusWriter() if protocol == "terminus_2" else None
+    for i in range(count):
         names = _Names(rng, pools, banned)
         instruction, steps = _episode(rng, names)
+        # Every other terminus_2 episode stays raw_command: on those short ones the model learns to copy a name out
+        # of the instruction, which it does not learn from the long ones alone (names lost at ~5 nats a token
+        # after 600 steps of terminus_2 episodes only), and then uses across Harbor's prompt.
+        if terminus and i % 2:
+            conversations.append(terminus.conversation(instruction, steps))
+            continue
         messages = [
             {"role": "user", "content": agent.prompt(SimpleNamespace(instruction=instruction, workdir=names.v["root"]))}
         ]
@@ -509,6 +536,53 @@ def episodes(rng: random.Random, count: int) -> list[list[dict]]:
         messages.append({"role": "assistant", "content": DONE})
         conversations.append(messages)
     return conversations
+
+
+class _TerminusWriter:
+    """A chore as tbexp's terminus_2 agent shows it: Harbor's template and messages, the agent's own reply format
+    and parser; the pane is drawn here (the command after the shell prompt, its output, the prompt again, blank
+    rows to the pane's height), as `capture-pane` shows it for quick commands."""
+
+    ROWS = 40  # the pane's height: Harbor's TmuxSession's
+    SHELL = "root@vm:/app#"  # what the pane shows at a prompt in the built-in tasks' working directory
+
+    def __init__(self):
+        from tbexp.agents.terminus_2 import Terminus2Agent
+
+        self.agent = Terminus2Agent(SimpleNamespace(parser="json", summarize=False))
+
+    def pane(self, lines: list[str]) -> str:
+        return "\n".join(lines) + "\n" * max(1, self.ROWS - len(lines))
+
+    def first_prompt(self, instruction: str) -> str:
+        return self.agent.prompt(
+            SimpleNamespace(instruction=instruction), "Current Terminal Screen:\n" + self.pane([self.SHELL])
+        )
+
+    def first_command(self, reply: str) -> str:
+        """The first command a reply types (its keystrokes without the newline), "" if it does not parse."""
+        action = self.agent.parse(reply, [])
+        return "" if action.error or not action.commands else action.commands[0].rstrip("\n")
+
+    def conversation(self, instruction: str, steps: list[tuple[str, str, int]]) -> list[dict]:
+        agent, history = self.agent, []
+        messages = [{"role": "user", "content": self.first_prompt(instruction)}]
+        for i, (command, output, _code) in enumerate(steps):
+            shown = [f"{self.SHELL} {command}", *output.splitlines(), self.SHELL]
+            # The first turn's output follows the start screen directly; later ones after a blank line.
+            messages += self._turn(
+                agent.format([command], done=False), ("" if i == 0 else "\n") + self.pane(shown), history
+            )
+        done = agent.format([], done=True)
+        messages += self._turn(done, "\n" + self.pane([self.SHELL]), history)  # Harbor asks to confirm
+        return messages + [{"role": "assistant", "content": done}]
+
+    def _turn(self, reply: str, output: str, history: list) -> list[dict]:
+        from tbexp.agents.base import Turn
+
+        turn = Turn(reply, self.agent.parse(reply, history), screen="New Terminal Output:\n" + output)
+        history.append(turn)
+        return [{"role": "assistant", "content": reply}, {"role": "user", "content": self.agent.observe(turn)}]
 
 
 def _episode(rng: random.Random, names: _Names) -> tuple[str, list[tuple[str, str, int]]]:
@@ -564,6 +638,16 @@ def _output(names: _Names, kind: str) -> str:
 
 
 # --- tokenizer, model, training ----------------------------------------------------------------
+
+
+def _weights(tokenizer, messages: list[dict], tokens: list[int]) -> list[float]:
+    """Loss on every token but Harbor's fixed prompt text before the instruction: left in, those ~600 tokens, the
+    same in every terminus_2 episode, would make the few that carry a name a tenth of each batch's mean."""
+    head, found, _ = messages[0]["content"].partition(TERMINUS_INSTRUCTION_MARK)
+    if not found:
+        return [1.0] * len(tokens)
+    fixed = 1 + len(tokenizer(head + found, add_special_tokens=False)["input_ids"])  # with the leading <|user|>
+    return [0.0] * fixed + [1.0] * (len(tokens) - fixed)
 
 
 def _train_tokenizer(corpus: list[list[dict]], vocab_size: int) -> PreTrainedTokenizerFast:
@@ -703,27 +787,41 @@ in {check["before/exact_train_families"]:.0%} of cases before SFT and {check["af
 tasks' first commands ({record["check_steps"]} steps, batch {record["batch"]}); the 8 held-out-only instances: {check["before/exact_heldout_families"]:.0%} -> {check["after/exact_heldout_families"]:.0%}.
 """
     )
-    (out / "README.md").write_text(f"""# tiny: tbexp's built-in model
+    terminus = record.get("protocol") == "terminus_2"
+    name = PROTOCOL_DIRS[record.get("protocol", "raw_command")]
+    what = "tbexp's built-in model for agent=terminus_2" if terminus else "tbexp's built-in model"
+    selected = (
+        f"`model={name}`, with `agent=terminus_2` (`+experiment=terminus_2`)"
+        if terminus
+        else f"`model={name}`,\nthe default"
+    )
+    corpus = (
+        "terminus-2 episodes as\ntbexp's `agent=terminus_2` shows them (Harbor's prompt template with the instruction near its end, a\n"
+        "40-row pane after each turn, JSON replies that type one command with `duration` 0.1, `task_complete` sent\n"
+        "twice), about generic chores"
+        if terminus
+        else "raw_command episodes: one bash command per turn, made-up output with `[exit N]`,\n`exit` when done, about generic chores"
+    )
+    flags = f" --protocol {record['protocol']} --vocab {record['vocab']}" if terminus else ""
+    (out / "README.md").write_text(f"""# {name}: {what}
 
 A {record["params"] / 1e6:.2f}M-parameter `LlamaForCausalLM` (hidden {c.hidden_size}, {c.num_hidden_layers} layers,
 {c.num_attention_heads} heads, MLP {c.intermediate_size}, tied embeddings) with a {vocab}-token byte-level BPE
-tokenizer, trained from scratch so that tbexp runs end to end without downloading anything (`model=tiny`,
-the default: `load_model` resolves `model.path=""` to this directory).
+tokenizer, trained from scratch so that tbexp runs end to end without downloading anything ({selected}: `load_model` resolves `model.path=""` to this directory).
 
 It speaks the `plain` chat format of `tbexp/models/renderers.py`,
 `<|user|>text<|end|><|assistant|>reply<|end|><|user|>...` (also its `chat_template`), and was pretrained
-on a synthetic corpus of raw_command episodes: one bash command per turn, made-up output with `[exit N]`,
-`exit` when done, about generic chores (ls, cat, head/tail, wc, grep, sort/uniq, cut, awk, sed, tr, find,
+on a synthetic corpus of {corpus} (ls, cat, head/tail, wc, grep, sort/uniq, cut, awk, sed, tr, find,
 jq, sqlite3, git, mkdir/mv/cp/rm, echo and redirections, pipes, `$(...)`, loops). The corpus avoids the
 built-in task families' name pools, instructions and command templates: the model knows the protocol and
 shell syntax, not the tasks, so what SFT and RL add is measurable.
 
 Built with
 
-    {BUILD_COMMAND} --seed {record["seed"]} --steps {record["steps"]}
+    {BUILD_COMMAND}{flags} --seed {record["seed"]} --steps {record["steps"]}
 
 {record["steps"]} steps of {record["batch"]} episodes, pretraining loss {record["loss_first"]:.2f} -> {record["loss_last"]:.2f}. A step takes
-about 0.15 s on 2 idle CPU cores, so the build takes a minute or two; this one took {record["build_s"]:.0f} s on
+about {"1.4 s (half the episodes terminus-2's, of about 1,000 tokens)" if terminus else "0.15 s"} on 2 idle CPU cores, so the build takes {"23 minutes" if terminus else "a minute or two"}; this one took {record["build_s"]:.0f} s on
 {record["threads"]} threads of a shared machine (`build.json`). The build is deterministic for a given seed,
 CPU kind and torch version.
 {measured}""")
@@ -739,8 +837,6 @@ def _size_mb(path: Path) -> float:
 
 def check(args) -> dict[str, float]:
     """First-command exact match on the held-out tasks, before and after SFT on the train tasks' first commands."""
-    from types import SimpleNamespace
-
     from tbexp.agents.raw_command import RawCommandAgent
     from tbexp.tasks import load_tasks
     from tbexp.tasks.builtin import HELDOUT_FAMILIES, write_suite
@@ -749,6 +845,17 @@ def check(args) -> dict[str, float]:
     model = AutoModelForCausalLM.from_pretrained(args.out)
     renderer = make_renderer("plain", tokenizer)
     agent = RawCommandAgent(SimpleNamespace(observation_limit_chars=2000))
+    terminus = _TerminusWriter() if args.protocol == "terminus_2" else None
+
+    def prompt(task) -> str:
+        return terminus.first_prompt(task.instruction) if terminus else agent.prompt(task)
+
+    def reply(command: str) -> str:
+        return terminus.agent.format([command], done=False) if terminus else command
+
+    def command(reply: str) -> str:
+        return terminus.first_command(reply) if terminus else reply.strip()
+
     with tempfile.TemporaryDirectory() as tmp:
         root = write_suite(Path(tmp) / "suite", seed=0)
         train, heldout = load_tasks(root / "train"), load_tasks(root / "heldout")
@@ -757,12 +864,10 @@ def check(args) -> dict[str, float]:
     unseen = [t for t in heldout if t.family in HELDOUT_FAMILIES]
 
     def measure(label: str) -> dict[str, float]:
-        replies = dict(
-            zip(
-                [t.name for t in heldout],
-                _greedy(model, tokenizer, renderer, [agent.prompt(t) for t in heldout], args.device),
-            )
+        greedy = _greedy(
+            model, tokenizer, renderer, [prompt(t) for t in heldout], args.device, 200 if terminus else 120
         )
+        replies = {t.name: command(r) for t, r in zip(heldout, greedy)}
         scores = {
             f"{label}/exact_train_families": _exact(seen, replies, first),
             f"{label}/exact_heldout_families": _exact(unseen, replies, first),
@@ -787,7 +892,7 @@ def check(args) -> dict[str, float]:
         )
     examples = [
         renderer.supervised(
-            [{"role": "user", "content": agent.prompt(t)}, {"role": "assistant", "content": first[t.name]}]
+            [{"role": "user", "content": prompt(t)}, {"role": "assistant", "content": reply(first[t.name])}]
         )
         for t in train
     ]
@@ -800,7 +905,7 @@ def check(args) -> dict[str, float]:
 
 
 def _exact(tasks, replies: dict[str, str], first: dict[str, str]) -> float:
-    return sum(replies[t.name].strip() == first[t.name] for t in tasks) / max(1, len(tasks))
+    return sum(replies[t.name] == first[t.name] for t in tasks) / max(1, len(tasks))
 
 
 @torch.no_grad()

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from tbexp.models import TINY_DIR, ModelLoadError, load_model
+from tbexp.models import SHIPPED, TINY_DIR, ModelLoadError, load_model
 from tbexp.models.renderers import RENDERERS, RendererError, make_renderer
 from tests.conftest import CONF, compose_config
 
@@ -59,19 +59,42 @@ def test_default_config_loads_the_shipped_tiny_model(tiny):
 
 def test_tiny_model_answers_in_its_format(tiny):
     model, tokenizer = tiny
-    renderer = make_renderer("plain", tokenizer)
-    prompt = renderer.initial_tokens(
-        "Print the contents of /app/notes.md.\n\nYou are in a bash shell in /app. Reply with exactly one bash command per turn; you will see its output. Reply `exit` when the task is done."
-    )
-    out = model.generate(
-        torch.tensor([prompt]),
+    reply = _greedy_reply(
+        model,
+        tokenizer,
+        "Print the contents of /app/notes.md.\n\nYou are in a bash shell in /app. Reply with exactly one bash command per turn; you will see its output. Reply `exit` when the task is done.",
         max_new_tokens=40,
+    )
+    assert reply.strip() and "<|" not in reply
+
+
+def _greedy_reply(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
+    renderer = make_renderer("plain", tokenizer)
+    tokens = renderer.initial_tokens(prompt)
+    out = model.generate(
+        torch.tensor([tokens]),
+        max_new_tokens=max_new_tokens,
         do_sample=False,
         eos_token_id=renderer.stop(),
         pad_token_id=tokenizer.pad_token_id,
     )
-    reply = renderer.decode_reply(out[0, len(prompt) :].tolist())
-    assert reply.strip() and "<|" not in reply
+    return renderer.decode_reply(out[0, len(tokens) :].tolist())
+
+
+def test_the_terminus_model_reads_harbors_prompt_in_fewer_tokens_and_answers_in_its_json(tiny):
+    """model=tiny_terminus: Harbor's first prompt in well under half of tiny's tokens, and a reply that Harbor's
+    parser takes without a warning, typing one command (for a generic chore, not a built-in task; which names it
+    types is SFT's to teach, as for model=tiny)."""
+    from tbexp.agents.terminus_2 import Terminus2Agent
+
+    model, tokenizer = load_model(compose_config("model=tiny_terminus", "agent=terminus_2").model)
+    agent = Terminus2Agent(SimpleNamespace(parser="json", summarize=False))
+    instruction = SimpleNamespace(instruction="Print the contents of /app/notes.md.")
+    prompt = agent.prompt(instruction, "Current Terminal Screen:\nroot@vm:/app#\n" + "\n" * 39)
+    tokens = make_renderer("plain", tokenizer).initial_tokens(prompt)
+    assert len(tokens) < 0.5 * len(make_renderer("plain", tiny[1]).initial_tokens(prompt))
+    action = agent.parse(_greedy_reply(model, tokenizer, prompt, max_new_tokens=120), [])
+    assert not action.error and not action.warning and len(action.commands) == 1 and action.commands[0].strip()
 
 
 def test_save_pretrained_round_trip_is_the_hub_path(tiny, tmp_path):
@@ -229,7 +252,7 @@ def test_every_model_config_composes(name):
     model = compose_config(f"model={name}").model
     assert model.name == name and model.renderer in RENDERERS
     assert model.lora_targets and model.max_length_tokens > 0
-    assert (model.path == "") == (name == "tiny")
+    assert (model.path == "") == (name in SHIPPED)
 
 
 # A small random instance of each architecture: the LoRA targets must be real nn.Linear modules there.
@@ -245,7 +268,7 @@ SMALL = dict(
 )
 
 
-@pytest.mark.parametrize("name", [n for n in MODEL_CONFIGS if n != "tiny"])
+@pytest.mark.parametrize("name", [n for n in MODEL_CONFIGS if n not in SHIPPED])
 def test_lora_targets_are_linear_modules_of_the_architecture(name):
     from peft import LoraConfig, get_peft_model
 

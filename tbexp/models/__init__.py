@@ -2,9 +2,10 @@
 
 `load_model` is the one path for every model: a local directory or a
 Hugging Face Hub id through `AutoModelForCausalLM.from_pretrained` and
-`AutoTokenizer.from_pretrained`. `model.path == ""` with `model.name ==
-"tiny"` is the small model shipped in `tbexp/models/tiny/` (built by
-`scripts/build_tiny_model.py`). Nothing is ever downloaded here: a Hub id
+`AutoTokenizer.from_pretrained`. `model.path == ""` with `model.name` one of
+`SHIPPED` is a small model shipped in `tbexp/models/<name>/` (built by
+`scripts/build_tiny_model.py`): `tiny` speaks raw_command, `tiny_terminus`
+terminus-2. Nothing is ever downloaded here: a Hub id
 must already be in the local Hugging Face cache, and one that is not fails
 at once with a message that says so (instead of retrying the network for a
 minute first).
@@ -18,6 +19,7 @@ from typing import Any
 from tbexp.errors import TbexpError
 
 TINY_DIR = Path(__file__).resolve().parent / "tiny"
+SHIPPED = {"tiny": TINY_DIR, "tiny_terminus": TINY_DIR.with_name("tiny_terminus")}  # model.name -> its directory
 
 
 class ModelLoadError(TbexpError, RuntimeError):
@@ -28,10 +30,14 @@ def resolve_model_path(model_settings: Any) -> str:
     """The directory or Hub id that `model_settings` names."""
     if model_settings.path:
         return str(model_settings.path)
-    if model_settings.name == "tiny":
-        if not (TINY_DIR / "config.json").is_file():
-            raise ModelLoadError(f"{TINY_DIR} holds no model; build it with `python scripts/build_tiny_model.py`")
-        return str(TINY_DIR)
+    shipped = SHIPPED.get(model_settings.name)
+    if shipped:
+        if not (shipped / "config.json").is_file():
+            protocol = " --protocol terminus_2" if model_settings.name == "tiny_terminus" else ""
+            raise ModelLoadError(
+                f"{shipped} holds no model; build it with `python scripts/build_tiny_model.py{protocol}`"
+            )
+        return str(shipped)
     raise ModelLoadError(
         f"model.name={model_settings.name!r} has no model.path; set model.path to a Hugging Face id or a local directory"
     )
