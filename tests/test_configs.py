@@ -45,6 +45,7 @@ def test_the_tiny_models_grpo_settings_apply_to_it_on_the_local_backend_only():
     assert (tiny.grpo.steps, tiny.task_filter.max_tasks) == (24, 0)  # every RL candidate, 24 steps
     terminus = compose_config("+experiment=terminus_2")  # its episodes are long: the sample and steps of before
     assert (terminus.grpo.steps, terminus.task_filter.max_tasks) == (12, 80)
+    assert (terminus.model.name, terminus.grpo.loss_fn) == ("tiny_terminus", "ppo")  # tiny's tuning is tiny's alone
     assert not compose_config("model.logit_scale=false").grpo.kl_scaled_reference  # it follows the model's scale
     assert compose_config("grpo.loss_fn=ppo").grpo.loss_fn == "ppo"  # the command line still decides
     assert compose_config("+experiment=grpo").grpo.loss_fn == "importance_sampling"  # and so does an experiment
