@@ -14,16 +14,17 @@ Deterministic from `--seed` on one machine (same CPU kind, same torch). Four ste
    2,900-character prompt with the instruction near the end, JSON replies,
    a 40-row pane as the observation, the double `task_complete`. The
    raw_command model never saw a prompt that long, and after SFT it does
-   not tell the tasks apart from it (docs/terminus-2.md). Generic chores over generic names (half of them
-   made-up words, so that copying a name of several tokens from the
-   instruction is learnt); none of the built-in task families' name pools,
+   not tell the tasks apart from it (docs/terminus-2.md).
+   Generic chores over generic names (half of them made-up words, so that
+   copying a name of several tokens from the instruction is practised;
+   before SFT neither model copies one reliably); none of the built-in task families' name pools,
    instructions or command templates, so the model knows the protocol and
    shell syntax but not the tasks.
 2. A byte-level BPE tokenizer (digits split one by one) trained on that
    corpus, plus the chat tokens `<|pad|> <|user|> <|assistant|> <|end|>`.
 3. A LlamaForCausalLM with tied embeddings, pretrained on the corpus as the
    `plain` renderer writes it, loss on every token (the model also learns
-   what instructions and outputs look like), AdamW with warm-up and cosine
+   what instructions and outputs look like) but Harbor's fixed prompt text, AdamW with warm-up and cosine
    decay; batches group episodes of similar length to pad less.
 4. `save_pretrained` (safetensors), the tokenizer files, a README.
 
@@ -96,9 +97,8 @@ def main() -> None:
     args = parser.parse_args()
     args.out = args.out or REPO / "tbexp" / "models" / PROTOCOL_DIRS[args.protocol]
     torch.set_num_threads(args.threads)
-    if (
-        args.check_only
-    ):  # e.g. the raw_command model on terminus-2's prompt: `--protocol terminus_2 --out tbexp/models/tiny`
+    # --check-only, e.g. the raw_command model on terminus-2's prompt: `--protocol terminus_2 --out tbexp/models/tiny`
+    if args.check_only:
         print(json.dumps(check(args), indent=1))
         return
     started = time.time()
@@ -519,9 +519,9 @@ def episodes(rng: random.Random, count: int, protocol: str = "raw_command") -> l
     for i in range(count):
         names = _Names(rng, pools, banned)
         instruction, steps = _episode(rng, names)
-        # Every other terminus_2 episode stays raw_command: on those short ones the model learns to copy a name out
-        # of the instruction, which it does not learn from the long ones alone (names lost at ~5 nats a token
-        # after 600 steps of terminus_2 episodes only), and then uses across Harbor's prompt.
+        # Every other terminus_2 episode stays raw_command, short and dense in what varies. Built on terminus_2
+        # episodes alone (600 steps, every token in the loss), the model wrote "commands" for Harbor's "keystrokes"
+        # key; this mix, with `_weights`, is what tiny_terminus was built with (the two not measured apart).
         if terminus and i % 2:
             conversations.append(terminus.conversation(instruction, steps))
             continue
