@@ -19,6 +19,14 @@ directory, so jobs running side by side do not interleave on the terminal.
 
 The children are forked from a fork server that has already imported what
 every job imports (`_job_server`); should it fail, they are spawned.
+
+Every start and every join of a job's process holds one lock (`start`,
+`join`). multiprocessing is not thread-safe there: `Process.start()` first
+polls every child the process has started, and a fork-server child's exit
+status is eight bytes on a pipe, so a start on one thread that polls a job
+another thread is joining reads the status, and the joiner reads EOF, which
+multiprocessing reports as exit status 255 (a SIGKILLed job then reads as
+"exited with status 255", about one in four times with six threads).
 """
 
 from __future__ import annotations
@@ -80,8 +88,8 @@ class IsolatedJob:
         import cloudpickle  # Hydra's singleton state holds OmegaConf resolvers defined in functions, which plain pickle refuses
 
         args = (cloudpickle.dumps(self.payload), writer, os.getpid(), str(self.log_path))
-        with IsolatedJob._lock:
-            self.process = self._start(args)
+        with IsolatedJob._lock:  # started and listed at once, so that `kill_live_jobs` cannot miss it
+            self.process = start(_child_main, args)
             IsolatedJob.live.add(self)
         writer.close()
         try:
@@ -90,35 +98,14 @@ class IsolatedJob:
             with IsolatedJob._lock:
                 IsolatedJob.live.discard(self)
 
-    @staticmethod
-    def _start(args: tuple[Any, ...]) -> Any:
-        if IsolatedJob.forked:
-            process = multiprocessing.get_context("forkserver").Process(target=_child_main, args=args, daemon=False)
-            try:
-                process.start()
-                return process
-            except (
-                OSError,
-                EOFError,
-            ) as err:  # the server died, most likely importing the app's module (its traceback is above)
-                log.warning(
-                    "the jobs' fork server failed (%s: %s); spawning each job instead, about a second more each",
-                    type(err).__name__,
-                    err,
-                )
-                IsolatedJob.forked = False
-        process = multiprocessing.get_context("spawn").Process(target=_child_main, args=args, daemon=False)
-        process.start()
-        return process
-
     def kill(self) -> None:
         """SIGTERM to the job's process group, SIGKILL after a grace period."""
         if self.process is None or self.process.pid is None:
             return
         _signal_group(self.process.pid, signal.SIGTERM)
-        self.process.join(KILL_GRACE_S)
+        join(self.process, KILL_GRACE_S)
         _signal_group(self.process.pid, signal.SIGKILL)
-        self.process.join()
+        join(self.process)
 
     def _wait(self, reader: Any) -> Outcome:
         from multiprocessing.connection import wait
@@ -132,10 +119,10 @@ class IsolatedJob:
                     outcome = reader.recv()
                 except EOFError:  # the child died before it could answer
                     outcome = None
-                self.process.join()
+                join(self.process)
                 return outcome or Outcome(False, error=self._death())
             if self.process.sentinel in ready:
-                self.process.join()
+                join(self.process)
                 return Outcome(False, error=self._death())
             if deadline is not None and time.monotonic() >= deadline:
                 self.kill()
@@ -146,6 +133,41 @@ class IsolatedJob:
         if code is not None and code < 0:
             return f"job process killed by {signal.Signals(-code).name}"
         return f"job process exited with status {code} without a result"
+
+
+_process_lock = threading.Lock()  # see the module's docstring: multiprocessing's start and join race across threads
+
+
+def start(target: Any, args: tuple[Any, ...]) -> Any:
+    """A started process running `target(*args)`: forked from the fork server, or spawned once that has failed."""
+    with _process_lock:
+        if IsolatedJob.forked:
+            process = multiprocessing.get_context("forkserver").Process(target=target, args=args, daemon=False)
+            try:
+                process.start()
+                return process
+            except (OSError, EOFError) as err:
+                # the server died, most likely importing the app's module (its traceback is above)
+                log.warning(
+                    "the jobs' fork server failed (%s: %s); spawning each job instead, about a second more each",
+                    type(err).__name__,
+                    err,
+                )
+                IsolatedJob.forked = False
+        process = multiprocessing.get_context("spawn").Process(target=target, args=args, daemon=False)
+        process.start()
+        return process
+
+
+def join(process: Any, timeout: float | None = None) -> None:
+    """`process.join(timeout)`, but never while another thread starts or joins a process."""
+    from multiprocessing.connection import wait
+
+    # The sentinel turns readable once the status is written (or the server is gone), so the join under the lock
+    # does not block; waiting for it outside the lock keeps one slow job from holding up every other start.
+    if wait([process.sentinel], timeout):
+        with _process_lock:
+            process.join()
 
 
 def kill_live_jobs() -> None:
