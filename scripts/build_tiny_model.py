@@ -57,6 +57,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from tbexp.models import SHIPPED  # noqa: E402
 from tbexp.models.renderers import make_renderer  # noqa: E402
 
 SPECIALS = ["<|pad|>", "<|user|>", "<|assistant|>", "<|end|>"]
@@ -67,7 +68,7 @@ CHAT_TEMPLATE = (  # the `plain` renderer's format, for tools that use apply_cha
 )
 BUILD_COMMAND = "python scripts/build_tiny_model.py"
 TERMINUS_INSTRUCTION_MARK = "Task Description:\n"  # in Harbor's template, just before the instruction
-PROTOCOL_DIRS = {"raw_command": "tiny", "terminus_2": "tiny_terminus"}  # the agent the corpus speaks -> tbexp/models/
+PROTOCOL_DIRS = {protocol: name for name, protocol in SHIPPED.items()}  # the agent the corpus speaks -> tbexp/models/
 
 
 def main() -> None:

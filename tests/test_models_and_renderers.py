@@ -255,6 +255,15 @@ def test_every_model_config_composes(name):
     assert (model.path == "") == (name in SHIPPED)
 
 
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_a_shipped_model_not_built_says_how_to_build_it(name, tmp_path, monkeypatch):
+    import tbexp.models
+
+    monkeypatch.setattr(tbexp.models, "TINY_DIR", tmp_path / "tiny")  # an empty tbexp/models/
+    with pytest.raises(ModelLoadError, match=f"build_tiny_model.py --protocol {SHIPPED[name]}`"):
+        load_model(compose_config(f"model={name}").model)
+
+
 # A small random instance of each architecture: the LoRA targets must be real nn.Linear modules there.
 ARCHITECTURES = {"qwen3": "qwen3", "llama3": "llama", "gpt_oss": "gpt_oss"}
 SMALL = dict(

@@ -4,8 +4,7 @@
 Hugging Face Hub id through `AutoModelForCausalLM.from_pretrained` and
 `AutoTokenizer.from_pretrained`. `model.path == ""` with `model.name` one of
 `SHIPPED` is a small model shipped in `tbexp/models/<name>/` (built by
-`scripts/build_tiny_model.py`): `tiny` speaks raw_command, `tiny_terminus`
-terminus-2. Nothing is ever downloaded here: a Hub id
+`scripts/build_tiny_model.py --protocol <the agent it speaks>`). Nothing is ever downloaded here: a Hub id
 must already be in the local Hugging Face cache, and one that is not fails
 at once with a message that says so (instead of retrying the network for a
 minute first).
@@ -18,8 +17,8 @@ from typing import Any
 
 from tbexp.errors import TbexpError
 
+SHIPPED = {"tiny": "raw_command", "tiny_terminus": "terminus_2"}  # model.name -> the agent its corpus speaks
 TINY_DIR = Path(__file__).resolve().parent / "tiny"
-SHIPPED = {"tiny": TINY_DIR, "tiny_terminus": TINY_DIR.with_name("tiny_terminus")}  # model.name -> its directory
 
 
 class ModelLoadError(TbexpError, RuntimeError):
@@ -30,12 +29,12 @@ def resolve_model_path(model_settings: Any) -> str:
     """The directory or Hub id that `model_settings` names."""
     if model_settings.path:
         return str(model_settings.path)
-    shipped = SHIPPED.get(model_settings.name)
-    if shipped:
+    if model_settings.name in SHIPPED:
+        shipped = TINY_DIR.with_name(model_settings.name)
         if not (shipped / "config.json").is_file():
-            protocol = " --protocol terminus_2" if model_settings.name == "tiny_terminus" else ""
             raise ModelLoadError(
-                f"{shipped} holds no model; build it with `python scripts/build_tiny_model.py{protocol}`"
+                f"{shipped} holds no model; build it with"
+                f" `python scripts/build_tiny_model.py --protocol {SHIPPED[model_settings.name]}`"
             )
         return str(shipped)
     raise ModelLoadError(
