@@ -57,7 +57,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tbexp.models import SHIPPED  # noqa: E402
+from tbexp.models import SHIPPED, SHIPPED_DIR  # noqa: E402
 from tbexp.models.renderers import make_renderer  # noqa: E402
 
 SPECIALS = ["<|pad|>", "<|user|>", "<|assistant|>", "<|end|>"]
@@ -96,7 +96,7 @@ def main() -> None:
     parser.add_argument("--check-lr", type=float, default=2e-3)
     parser.add_argument("--check-lora-rank", type=int, default=0, help="0 = full fine-tuning")
     args = parser.parse_args()
-    args.out = args.out or REPO / "tbexp" / "models" / PROTOCOL_DIRS[args.protocol]
+    args.out = args.out or SHIPPED_DIR / PROTOCOL_DIRS[args.protocol]
     torch.set_num_threads(args.threads)
     # --check-only, e.g. the raw_command model on terminus-2's prompt: `--protocol terminus_2 --out tbexp/models/tiny`
     if args.check_only:

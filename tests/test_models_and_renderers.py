@@ -259,7 +259,7 @@ def test_every_model_config_composes(name):
 def test_a_shipped_model_not_built_says_how_to_build_it(name, tmp_path, monkeypatch):
     import tbexp.models
 
-    monkeypatch.setattr(tbexp.models, "TINY_DIR", tmp_path / "tiny")  # an empty tbexp/models/
+    monkeypatch.setattr(tbexp.models, "SHIPPED_DIR", tmp_path)  # an empty tbexp/models/
     with pytest.raises(ModelLoadError, match=f"build_tiny_model.py --protocol {SHIPPED[name]}`"):
         load_model(compose_config(f"model={name}").model)
 

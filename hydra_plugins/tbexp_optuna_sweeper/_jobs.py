@@ -74,7 +74,6 @@ class IsolatedJob:
 
     live: set["IsolatedJob"] = set()  # for killing them all when the sweep is stopped
     _lock = threading.Lock()
-    forked = True  # False once the fork server has failed: the sweep's later jobs are spawned
 
     def __init__(self, payload: dict[str, Any], log_path: Path, timeout_s: float):
         self.payload = payload
@@ -136,12 +135,14 @@ class IsolatedJob:
 
 
 _process_lock = threading.Lock()  # see the module's docstring: multiprocessing's start and join race across threads
+_forked = True  # False once the fork server has failed: the sweep's later jobs are spawned
 
 
 def start(target: Any, args: tuple[Any, ...]) -> Any:
     """A started process running `target(*args)`: forked from the fork server, or spawned once that has failed."""
+    global _forked
     with _process_lock:
-        if IsolatedJob.forked:
+        if _forked:
             process = multiprocessing.get_context("forkserver").Process(target=target, args=args, daemon=False)
             try:
                 process.start()
@@ -153,7 +154,7 @@ def start(target: Any, args: tuple[Any, ...]) -> Any:
                     type(err).__name__,
                     err,
                 )
-                IsolatedJob.forked = False
+                _forked = False
         process = multiprocessing.get_context("spawn").Process(target=target, args=args, daemon=False)
         process.start()
         return process

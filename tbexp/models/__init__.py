@@ -18,7 +18,8 @@ from typing import Any
 from tbexp.errors import TbexpError
 
 SHIPPED = {"tiny": "raw_command", "tiny_terminus": "terminus_2"}  # model.name -> the agent its corpus speaks
-TINY_DIR = Path(__file__).resolve().parent / "tiny"
+SHIPPED_DIR = Path(__file__).resolve().parent  # each SHIPPED model in SHIPPED_DIR / its name
+TINY_DIR = SHIPPED_DIR / "tiny"
 
 
 class ModelLoadError(TbexpError, RuntimeError):
@@ -30,7 +31,7 @@ def resolve_model_path(model_settings: Any) -> str:
     if model_settings.path:
         return str(model_settings.path)
     if model_settings.name in SHIPPED:
-        shipped = TINY_DIR.with_name(model_settings.name)
+        shipped = SHIPPED_DIR / model_settings.name
         if not (shipped / "config.json").is_file():
             raise ModelLoadError(
                 f"{shipped} holds no model; build it with"
