@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # scripts/setup.sh
 # Everything tbexp needs on a fresh Debian machine, idempotent: system packages (bubblewrap,
-# debootstrap), a Python 3.12 environment in .venv with tbexp installed, and the sandbox root
+# debootstrap), a Python 3.12 environment in .venv with the locked versions (requirements.lock) and
+# tbexp installed, and the sandbox root
 # file system. scripts/run.sh and scripts/test.sh call it first; a second call takes seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,7 +36,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 stamp=.venv/.tbexp-installed
-want=$(sha256sum pyproject.toml | cut -c1-16)
+want=$(cat pyproject.toml requirements.lock | sha256sum | cut -c1-16)
 if [ "$(cat $stamp 2>/dev/null)" != "$want" ]; then
   # torch with its CUDA libraries makes .venv about 6.5 GB, and pip unpacks each wheel beside it first: say so
   # before minutes of downloading rather than after pip runs out of space half-way.
@@ -45,13 +46,21 @@ if [ "$(cat $stamp 2>/dev/null)" != "$want" ]; then
     exit 1
   fi
   echo "installing tbexp and its dependencies into .venv (torch is large: a few minutes the first time) ..." >&2
-  if ! { .venv/bin/python -m pip install -q --upgrade pip && .venv/bin/python -m pip install -q -e '.[dev]'; } >.venv/pip.log 2>&1 \
+  # Exactly the versions in requirements.lock (hashes checked), then tbexp itself with no resolution of its own:
+  # a fresh clone gets what CI tested. `pip check` then holds the lock against pyproject.toml's ranges.
+  if ! { .venv/bin/python -m pip install -q --require-hashes -r requirements.lock \
+         && .venv/bin/python -m pip install -q --no-deps -e . ; } >.venv/pip.log 2>&1 \
      || ! .venv/bin/python -c 'import tbexp, hydra, torch, harbor'; then
     grep -v "^WARNING: Location" .venv/pip.log | tail -30 >&2
     if grep -q "No space left on device" .venv/pip.log; then
       echo "tbexp setup: the disk filled up during the install ($(df -Ph . | awk 'NR==2 {print $4}') free now); free space and run again" >&2
     fi
     echo "tbexp setup: installing into .venv failed (full log: .venv/pip.log)" >&2
+    exit 1
+  fi
+  if ! .venv/bin/python -m pip check >.venv/pip-check.log 2>&1; then
+    cat .venv/pip-check.log >&2
+    echo "tbexp setup: requirements.lock does not satisfy pyproject.toml; scripts/lock.sh refreshes it" >&2
     exit 1
   fi
   echo "$want" > $stamp
