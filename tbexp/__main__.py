@@ -21,6 +21,7 @@ from tbexp.errors import TbexpError
 from tbexp.job import Job
 from tbexp.jobs.launchers import assign_local_job_gpus
 from tbexp.jobs.tracking import job_run, note_result
+from tbexp.redaction import redact_output, reexec_without_secrets
 from tbexp.seeds import stream
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
@@ -34,6 +35,7 @@ log = logging.getLogger("tbexp")
 def main(cfg: DictConfig) -> float:
     from tbexp.study.trial import TrialPruned
 
+    redact_output()  # Hydra has set up its logs: from here on, nothing printed or logged carries a secret
     try:
         check(cfg)
         assign_local_job_gpus()  # before any stage starts CUDA
@@ -61,4 +63,5 @@ def main(cfg: DictConfig) -> float:
 
 
 if __name__ == "__main__":
+    reexec_without_secrets()  # a secret on the command line moves to the environment before Hydra copies it
     main()

@@ -455,6 +455,9 @@ def register() -> None:
     The schemas live outside the groups themselves so that an unknown
     choice (`reward=nonsense`) lists only real options.
     """
+    from tbexp.redaction import register_resolver
+
+    register_resolver()  # `${tbexp_secret:…}`: where `python -m tbexp` moved a secret off the command line
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
     for group, schema in GROUPS.items():

@@ -10,12 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tbexp.jobs.tracking import Tracker, redact
+from tbexp.jobs.tracking import Tracker
 from tests.conftest import REPO, compose_config
 
 SECRET = "hunter2"
 # Places a secret can sit in a composed config: a URL with credentials in it (the Tinker base URL, a study
-# storage). Secret-named keys (api_key, token...) are covered by test_redact.
+# storage). The other sinks and secret-named keys (api_key, token...): tests/test_redaction.py.
 WITH_SECRETS = [
     "backend=tinker",  # base_url is a Tinker option; the oracle's eval never calls the service
     f"backend.base_url=https://me:{SECRET}@tinker.example/v1",
@@ -53,7 +53,7 @@ def test_wandb_offline_run_holds_group_job_type_redacted_config_metrics_and_tabl
     _eval(tmp_path, "logger=wandb", "trial.study=my-study")
     runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1, "one W&B run per job"
-    records = list(_wandb_records(runs[0]))
+    records = list(wandb_records(runs[0]))
     run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
     assert run.run_group == "my-study" and run.job_type == "eval"
     config = {item.key: json.loads(item.value_json) for item in run.config.update}
@@ -91,31 +91,6 @@ def test_trackio_logs_to_a_local_database(rootfs, tmp_path):
     )
 
 
-def test_redact():
-    config = {
-        "backend": {
-            "api_key": "tml-123",
-            "TINKER_API_KEY": "tml-456",
-            "hf_token": "hf_x",
-            "max_tokens": 96,
-            "empty_token": "",
-        },
-        "db": {"password": "pw", "url": "postgresql://u:pw@h/db?sslmode=require&access_token=abc"},
-        "list": [{"client_secret": "s"}],
-    }
-    assert redact(config) == {
-        "backend": {
-            "api_key": "<redacted>",
-            "TINKER_API_KEY": "<redacted>",
-            "hf_token": "<redacted>",
-            "max_tokens": 96,
-            "empty_token": "",
-        },
-        "db": {"password": "<redacted>", "url": "postgresql://<redacted>@h/db?sslmode=require&access_token=<redacted>"},
-        "list": [{"client_secret": "<redacted>"}],
-    }
-
-
 def test_none_logger_writes_only_metrics_jsonl_and_rewind_drops_redone_steps(tmp_path):
     tracker = Tracker(tmp_path, compose_config().logger)
     for step in range(1, 6):
@@ -129,7 +104,7 @@ def test_none_logger_writes_only_metrics_jsonl_and_rewind_drops_redone_steps(tmp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
 
 
-def _wandb_records(path: Path):
+def wandb_records(path: Path):
     """The protobuf records of an offline `.wandb` file (LevelDB log format: 32 KiB blocks of CRC, length, type, data)."""
     from wandb.proto import wandb_internal_pb2 as pb
 

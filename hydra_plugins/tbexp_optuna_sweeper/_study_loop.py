@@ -27,6 +27,7 @@ from typing import Any, Mapping
 
 from omegaconf import OmegaConf, open_dict
 
+from tbexp.redaction import hidden_override, redact, redact_output
 from tbexp.study.storage import (
     FAIL_REASON_ATTR,
     INTERRUPTED_ATTR,
@@ -35,6 +36,7 @@ from tbexp.study.storage import (
     PRUNED_AT_ATTR,
     RETRY_OF_ATTR,
     absolute_storage,
+    without_password,
 )
 
 from . import _job_server, _recovery, _space
@@ -58,6 +60,7 @@ class _Running:
 
 
 def run_sweep(sweeper: Any, arguments: list[str]) -> float | None:
+    redact_output()  # the sweep's log names trials' failures, which may quote a URL with its password
     return _Sweep(sweeper, arguments).run()
 
 
@@ -75,6 +78,14 @@ class _Sweep:
         self.arguments = _fixed_overrides(arguments, self.space)
         self.isolated = isinstance(sweeper.launcher, BasicLauncher)  # see _jobs: in-process jobs get a process each
         self.storage_url = absolute_storage(self.s.storage, Path.cwd())
+        # A storage URL with a password reaches the jobs through the environment (set here, before the fork server
+        # that the jobs inherit it from starts), never through their saved and pickled overrides.
+        storage_key = f"{self.s.trial_key}.storage"
+        self.storage_override = (
+            hidden_override(storage_key, self.storage_url)
+            if redact(self.storage_url) != self.storage_url
+            else f"{storage_key}={_space.override_value(self.storage_url)}"
+        )
         self.sweep_dir = Path(str(sweeper.config.hydra.sweep.dir)).absolute()
         self.pruning_metric = self.s.pruner.metric or self.s.objective.metric
         self.study = open_study(self.s, self.storage_url, self.sweep_dir, self.pruning_metric)
@@ -88,7 +99,7 @@ class _Sweep:
         OmegaConf.save(
             {
                 "study_name": self.s.study_name,
-                "storage": self.storage_url,
+                "storage": without_password(self.storage_url),  # a file: tbexp.report asks PGPASSWORD
                 "objective": OmegaConf.to_container(self.s.objective),
             },
             self.sweep_dir / POINTER_FILE,
@@ -241,7 +252,7 @@ class _Sweep:
         from optuna.trial import TrialState
 
         try:
-            self.study._storage.set_trial_user_attr(record.trial_id, FAIL_REASON_ATTR, reason)
+            self.study._storage.set_trial_user_attr(record.trial_id, FAIL_REASON_ATTR, redact(reason))
         except UpdateFinishedTrialError:
             return
         self.study.tell(record.number, state=TrialState.FAIL, skip_if_finished=True)
@@ -282,7 +293,10 @@ class _Sweep:
             "objective": self.s.objective.metric,
             "pruning_metric": self.pruning_metric,
         }
-        return [f"{key}.{name}={_space.override_value(value)}" for name, value in fields.items()]
+        return [
+            self.storage_override if name == "storage" else f"{key}.{name}={_space.override_value(value)}"
+            for name, value in fields.items()
+        ]
 
     def _job_config(self, overrides: list[str], job_num: int, trial: Any) -> Any:
         """Compose the job's config as its launcher will (for its directory); a failure stops the sweep."""
@@ -292,7 +306,7 @@ class _Sweep:
             from optuna.trial import TrialState
 
             self.study._storage.set_trial_user_attr(
-                trial._trial_id, FAIL_REASON_ATTR, f"config does not compose: {err}"
+                trial._trial_id, FAIL_REASON_ATTR, redact(f"config does not compose: {err}")
             )
             self.study._storage.set_trial_user_attr(
                 trial._trial_id, INTERRUPTED_ATTR, True
@@ -334,7 +348,11 @@ class _Sweep:
             if any(t.state == state for t in trials)
         }
         complete = [t for t in trials if t.state == TrialState.COMPLETE]
-        results: dict[str, Any] = {"study_name": self.s.study_name, "storage": self.storage_url, "trials": counts}
+        results: dict[str, Any] = {
+            "study_name": self.s.study_name,
+            "storage": without_password(self.storage_url),
+            "trials": counts,
+        }
         if complete:
             best = self.study.best_trial
             results.update(

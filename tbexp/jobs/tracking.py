@@ -8,7 +8,7 @@ database; `trackio show` is its dashboard).
 
 One tracker run per job: the entry point opens it with `job_run(cfg)`,
 grouped by study in a sweep (else by experiment, else by stage), `job_type` =
-the stage, holding the composed config with its secrets redacted. Every
+the stage, holding the composed config with its secrets redacted (tbexp.redaction). Every
 Tracker made while a run is open logs into it (a stage may make several:
 SFT's before/after evals each write their own metrics.jsonl). A Tracker made
 when none is open (a stage called from Python) opens one and closes it in
@@ -26,23 +26,14 @@ import contextlib
 import hashlib
 import json
 import os
-import re
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-LOGGERS = ("none", "wandb", "trackio")
-REDACTED = "<redacted>"
-# Key words that mark a secret. Whole words only: `max_tokens` and `max_length_tokens` are counts, not tokens.
-_SECRET_KEY = re.compile(
-    r"(?:^|[_\-.])(?:api[_-]?key|token|access[_-]?key|secrets?|passwords?|passwd|credentials?)(?:$|[_\-.])",
-    re.IGNORECASE,
-)
-_URL_USERINFO = re.compile(r"(\b[a-z][a-z0-9+.\-]*://)[^/@\s]+@", re.IGNORECASE)  # scheme://user:password@host
-_URL_SECRET_PARAM = re.compile(r"([?&][^=&#\s]*(?:api[_-]?key|token|secret|password)[^=&#\s]*=)[^&#\s]*", re.IGNORECASE)
+from tbexp.redaction import redact
 
+LOGGERS = ("none", "wandb", "trackio")
 _active: _Run | None = None  # the open run: the job's (job_run) or the first Tracker's
 
 
@@ -126,35 +117,6 @@ def note_result(metrics: dict[str, Any]) -> None:
         _active.note({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
 
 
-def redact(value: Any) -> Any:
-    """A copy of a config tree without secrets: values of secret-named keys, and passwords in URLs.
-
-    >>> redact({"backend": {"api_key": "tml-123", "base_url": "https://u:pw@host/x?token=abc"}, "max_tokens": 96})
-    {'backend': {'api_key': '<redacted>', 'base_url': 'https://<redacted>@host/x?token=<redacted>'}, 'max_tokens': 96}
-    """
-    if isinstance(value, dict):
-        return {
-            k: REDACTED if _SECRET_KEY.search(str(k)) and v not in (None, "") else redact(v) for k, v in value.items()
-        }
-    if isinstance(value, list):
-        return [redact(v) for v in value]
-    if isinstance(value, str):
-        return _URL_SECRET_PARAM.sub(rf"\1{REDACTED}", _URL_USERINFO.sub(rf"\1{REDACTED}@", value))
-    return value
-
-
-def redact_argument(arg: str) -> str:
-    """One command-line argument without secrets: a Hydra override `key=value` is redacted like a config entry.
-
-    >>> redact_argument("backend.api_key=tml-123"), redact_argument("trial.storage=postgresql://u:pw@h/db")
-    ('backend.api_key=<redacted>', 'trial.storage=postgresql://<redacted>@h/db')
-    """
-    key, sep, value = arg.partition("=")
-    if sep and _SECRET_KEY.search(key.split(".")[-1].lstrip("+~")) and value:
-        return f"{key}={REDACTED}"
-    return redact(arg)
-
-
 def _group(cfg: Any) -> str:
     """`logger.group`, else the study of the sweep this job belongs to, else the experiment, else the stage."""
     from omegaconf import OmegaConf
@@ -201,23 +163,19 @@ class _Wandb(_Run):
 
         self._wandb = wandb
         mode = settings.get("mode") or os.environ.get("WANDB_MODE") or "offline"  # no account needed unless asked for
-        # W&B keeps the command line (sys.argv) in the run's metadata, and an override may carry a credential.
-        argv, sys.argv = sys.argv, [sys.argv[0], *map(redact_argument, sys.argv[1:])]
-        try:
-            self.run = wandb.init(
-                project=settings.project,
-                entity=settings.get("entity") or None,
-                name=name,
-                id=run_id,
-                resume="allow",
-                group=group,
-                job_type=job_type,
-                config=config,
-                dir=settings.get("dir") or str(run_dir),
-                mode=mode,
-            )
-        finally:
-            sys.argv = argv
+        # W&B keeps the command line in the run's metadata (`args`): `python -m tbexp` has moved its secrets off it.
+        self.run = wandb.init(
+            project=settings.project,
+            entity=settings.get("entity") or None,
+            name=name,
+            id=run_id,
+            resume="allow",
+            group=group,
+            job_type=job_type,
+            config=config,
+            dir=settings.get("dir") or str(run_dir),
+            mode=mode,
+        )
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,16 @@ from tbexp.tasks.harbor_task import Task
 
 TIMEOUT_EXIT = 124  # what coreutils' timeout(1) returns; used for every kill on time-out
 OUTPUT_LIMIT_EXIT = 125  # the command was killed because it printed more than allowed
+
+
+def launcher_env() -> dict[str, str]:
+    """The environment a sandbox's launcher (bwrap, nsenter, prlimit) starts with: the host's PATH, nothing else.
+
+    bwrap's `--clearenv` clears the command's environment, not bwrap's own, and bwrap is the sandbox's pid 1:
+    from inside, `/proc/1/environ` shows whatever bwrap was started with, and the job's environment holds its
+    secrets (tbexp.redaction).
+    """
+    return {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), "LANG": "C.UTF-8"}
 
 
 class SandboxError(TbexpError, RuntimeError):

@@ -38,7 +38,15 @@ import uuid
 from pathlib import Path
 
 from tbexp.sandboxes import provision
-from tbexp.sandboxes.base import OUTPUT_LIMIT_EXIT, TIMEOUT_EXIT, ExecResult, Sandbox, SandboxError, task_limits
+from tbexp.sandboxes.base import (
+    OUTPUT_LIMIT_EXIT,
+    TIMEOUT_EXIT,
+    ExecResult,
+    Sandbox,
+    SandboxError,
+    launcher_env,
+    task_limits,
+)
 from tbexp.sandboxes.cgroup import Cgroup, leftover_cgroups
 from tbexp.sandboxes.dockerfile import DockerfileError
 from tbexp.sandboxes.environment_build import user_ids
@@ -392,7 +400,12 @@ def _spawn(argv: list[str]) -> subprocess.Popen:
     """Start a bwrap (its own session, so a kill reaches its whole process group), output and errors in one pipe."""
     try:
         return subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=launcher_env(),
         )
     except OSError as err:
         raise SandboxError(f"cannot start bwrap: {err}") from err

@@ -27,7 +27,7 @@ import shutil
 import signal
 import subprocess
 
-from tbexp.sandboxes.base import SandboxError
+from tbexp.sandboxes.base import SandboxError, launcher_env
 from tbexp.sandboxes.bwrap import PATH, BwrapSandbox
 
 HOLDER_START_TIMEOUT_S = 10.0  # how long the holding bwrap may take to report its init's pid
@@ -53,6 +53,7 @@ class BwrapSessionSandbox(BwrapSandbox):
                 stderr=subprocess.STDOUT,
                 pass_fds=(write_fd,),
                 start_new_session=True,
+                env=launcher_env(),
             )
         finally:
             os.close(write_fd)

@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tbexp.sandboxes.base import launcher_env
 from tbexp.sandboxes.dockerfile import DockerfileError, Instruction, Stage, parse_env
 
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -160,7 +161,9 @@ def _run(step: Instruction, root: Path, config: ImageConfig, log, deadline: floa
     if remaining_s <= 0:
         raise DockerfileError(f"{step.where}: the build's time (build_timeout_s) ran out before this RUN")
     try:
-        result = subprocess.run([*bwrap, *argv], stdin=subprocess.DEVNULL, capture_output=True, timeout=remaining_s)
+        result = subprocess.run(
+            [*bwrap, *argv], stdin=subprocess.DEVNULL, capture_output=True, timeout=remaining_s, env=launcher_env()
+        )
     except subprocess.TimeoutExpired as err:
         raise DockerfileError(f"{step.where}: RUN did not finish within the build's time (build_timeout_s)") from err
     (root / HOST_CA.lstrip("/")).unlink(missing_ok=True)

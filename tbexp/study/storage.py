@@ -4,9 +4,11 @@ A storage is named by one string, the same on the command line, in a job's
 `trial.storage` and for `optuna-dashboard`:
 
 * an SQLAlchemy URL — `sqlite:///multirun/optuna.db` (the default; one file
-  for every study, not safe on NFS) or `postgresql://user@host:5432/db`
-  (put the password in `PGPASSWORD` or `~/.pgpass`, not in the URL: the URL
-  is written into every job's `.hydra/overrides.yaml`);
+  for every study, not safe on NFS) or `postgresql://user:password@host:5432/db`
+  (a password in the URL reaches the jobs through their environment, never
+  their files: tbexp.redaction; the sweep directory's `study.yaml` keeps the
+  URL without it, so `tbexp.report` takes it from `PGPASSWORD`, `~/.pgpass`
+  or `--storage`);
 * anything else is a path to Optuna's journal file
   (`JournalStorage(JournalFileBackend(path))`), the choice for a shared file
   system without a database server.
@@ -43,6 +45,22 @@ SQLITE_TIMEOUT_S = 60  # jobs and the sweeper write to one sqlite file at once; 
 
 def is_url(storage: str) -> bool:
     return "://" in storage
+
+
+def without_password(storage: str) -> str:
+    """The storage as it may be written down: a URL's password left out (libpq then reads `PGPASSWORD`).
+
+    >>> without_password("postgresql://tb:pw@127.0.0.1:5432/optuna"), without_password("multirun/optuna.journal")
+    ('postgresql://tb@127.0.0.1:5432/optuna', 'multirun/optuna.journal')
+    """
+    if not is_url(storage):
+        return storage
+    from sqlalchemy.engine import make_url
+
+    url = make_url(storage)
+    return (
+        url._replace(password=None).render_as_string(hide_password=False) if url.password else storage
+    )  # set() keeps a None
 
 
 def absolute_storage(storage: str, base: Path) -> str:

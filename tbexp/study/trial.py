@@ -48,6 +48,9 @@ def report(cfg: Any, metric: str, value: float, step: int, higher_is_better: boo
     import optuna
     from optuna.exceptions import UpdateFinishedTrialError
 
+    from tbexp.redaction import register_resolver
+
+    register_resolver()  # a storage URL with a password comes as `${tbexp_secret:…}`, whatever app this job runs
     study, trial = _trial(settings.storage, settings.study, settings.number)
     maximised = study.direction == optuna.study.StudyDirection.MAXIMIZE
     stored = float(value) if higher_is_better == maximised else -float(value)
