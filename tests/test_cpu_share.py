@@ -10,7 +10,7 @@ import time
 import pytest
 
 from tbexp.jobs import cpu_share
-from tbexp.jobs.cpu_share import SharedThreads, _cgroup_quota_cores, job_cores, live_jobs, register, share
+from tbexp.jobs.cpu_share import SharedThreads, cgroup_quota_cores, job_cores, live_jobs, register, share
 
 HOLDER = """
 import sys, time
@@ -24,19 +24,19 @@ time.sleep(60)
 
 def test_cgroup_quota_rounds_up_and_max_is_no_limit(tmp_path):
     (tmp_path / "cpu.max").write_text("150000 100000\n")
-    assert _cgroup_quota_cores(tmp_path) == 2
+    assert cgroup_quota_cores(tmp_path) == 2
     (tmp_path / "cpu.max").write_text("max 100000\n")
-    assert _cgroup_quota_cores(tmp_path) is None
+    assert cgroup_quota_cores(tmp_path) is None
     (tmp_path / "cpu.max").unlink()
     (tmp_path / "cpu").mkdir()
     (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("50000\n")
     (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
-    assert _cgroup_quota_cores(tmp_path) == 1
+    assert cgroup_quota_cores(tmp_path) == 1
 
 
 def test_job_cores_is_the_tightest_limit(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
-    monkeypatch.setattr(cpu_share, "_cgroup_quota_cores", lambda: 3)
+    monkeypatch.setattr(cpu_share, "cgroup_quota_cores", lambda: 3)
     monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
     assert job_cores() == 3
     assert job_cores(launcher_cpus=2) == 2

@@ -194,17 +194,21 @@ def test_a_broken_verifier_makes_the_episode_invalid_not_zero(settings, tmp_path
 
 
 def test_a_broken_sandbox_makes_the_episode_invalid(settings, tmp_path):
-    task_dir = make_task(tmp_path)
-    (task_dir / "environment" / "Dockerfile").write_text("FROM tbexp-base:bookworm\nCOPY missing-dir/ /app/\n")
-    episode = run_episode(
-        load_task(task_dir),
-        0,
-        make_agent(settings.agent),
-        lambda t, a: make_policy("oracle", t, a),
-        settings.sandbox,
-        4,
-    )
-    assert episode.invalid and episode.report is None
+    """A sandbox that cannot be made (its Dockerfile copies a folder the task lacks) is the infrastructure's failure:
+    invalid, for that reason, before the agent acts. The same task with its Dockerfile intact is scored, so the
+    verdict is the broken sandbox's and not some other fault's (any exception in an episode also ends invalid)."""
+
+    def episode_of(task_dir):
+        return run_episode(load_task(task_dir), 0, make_agent(settings.agent), _oracle, settings.sandbox, 4)
+
+    sound = episode_of(make_task(tmp_path / "sound"))
+    assert not sound.invalid and sound.report is not None and sound.report.strict, sound.invalid
+
+    broken = make_task(tmp_path / "broken")
+    (broken / "environment" / "Dockerfile").write_text("FROM tbexp-base:bookworm\nCOPY missing-dir/ /app/\n")
+    episode = episode_of(broken)
+    assert episode.report is None and not episode.damage and not episode.turns  # the agent never acted
+    assert "missing-dir" in episode.invalid and not episode.invalid.startswith("unexpected"), episode.invalid
 
 
 def _oracle(task, agent):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -90,9 +92,33 @@ def _rows(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.parametrize(
+    "rewards, expected",
+    [
+        ({0: 0.30, 4: 0.50, 8: 0.45, 12: 0.40}, 4),  # RL helps, then spoils: the peak, not the last
+        ({0: 0.50, 4: 0.50, 8: 0.25}, 0),  # a tie: the earlier, less-trained one, here the start
+        ({0: math.nan, 4: 0.10, 8: 0.20}, 8),  # an eval with no valid episode is never the peak
+        ({0: 0.40, 4: math.nan, 8: 0.30}, 0),
+    ],
+)
+def test_the_peak_is_the_highest_held_out_reward_earliest_on_a_tie(rewards, expected):
+    evals = [{"step": step, "eval/reward": reward} for step, reward in rewards.items()]
+    assert grpo_stage.peak(evals)["step"] == expected
+
+
 @pytest.mark.slow
 @pytest.mark.sandbox
 def test_steps_log_where_time_went_and_keep_the_peak(warm_start, tmp_path, monkeypatch):
+    """Real steps and held-out evals; the held-out rewards the stage reads are then fixed (0.5 at the start, 0.25
+    after step 2), so the peak it keeps is known by hand: the start."""
+    from tbexp.stages import eval as eval_stage
+
+    real_evaluate, held_out = eval_stage.evaluate, {"grpo step 0": 0.5, "grpo step 2": 0.25}
+
+    def scripted_evaluate(*args, label="", **kwargs):
+        return {**real_evaluate(*args, label=label, **kwargs), "eval/reward": held_out[label]}
+
+    monkeypatch.setattr(eval_stage, "evaluate", scripted_evaluate)
     metrics = _grpo(tmp_path, monkeypatch, warm_start, "grpo.steps=2", "grpo.learning_rate=0.01")
     steps = [r for r in _rows(tmp_path) if "rollout/reward_mean" in r]
     assert [r["step"] for r in steps] == [1, 2]
@@ -114,9 +140,11 @@ def test_steps_log_where_time_went_and_keep_the_peak(warm_start, tmp_path, monke
     ):
         assert key in steps[0], key
     state = json.loads((tmp_path / "grpo_state.json").read_text())
-    assert [e["step"] for e in state["evals"]] == [0, 2]
-    best = max(state["evals"], key=lambda e: (e["eval/reward"], -e["step"]))
-    assert metrics["grpo/best_step"] == best["step"] and metrics["grpo/checkpoint"] == best["checkpoint"]
+    assert [(e["step"], e["eval/reward"]) for e in state["evals"]] == [(0, 0.5), (2, 0.25)]
+    start = state["evals"][0]["checkpoint"]
+    assert start.endswith("step-00000") and Path(start).is_dir()  # the start, saved at its eval
+    assert metrics["grpo/best_step"] == 0.0 and metrics["grpo/best_reward"] == 0.5
+    assert metrics["grpo/checkpoint"] == start == (tmp_path / "chosen_checkpoint.txt").read_text().strip()
     assert (tmp_path / "grpo.png").stat().st_size > 0
     assert not (tmp_path / "checkpoints" / "step-00001").exists()  # superseded and not an eval point
 

@@ -282,6 +282,15 @@ def test_a_terminal_bench_1_directory_is_converted_once_by_harbors_mapper(tmp_pa
     assert len(conversions) == 2
 
 
+def test_a_terminal_bench_1_directory_the_mapper_refuses_is_an_unloadable_task(tmp_path):
+    source = _write(tmp_path / "tb1" / "no-instruction", {**TB1_TASK, "task.yaml": "author_name: tbexp\n"})
+    with pytest.raises(TaskError, match=r"no-instruction/task.yaml: Harbor's Terminal-Bench mapper refused it"):
+        load_task(source, tmp_path / "migrated")
+    make_task(tmp_path / "tb1", "good")
+    loaded = load_tasks(tmp_path / "tb1", tmp_path / "migrated")
+    assert [t.name for t in loaded] == ["test/good"] and "mapper refused it" in loaded.unloadable[str(source)]
+
+
 def test_an_unloadable_task_is_listed_and_the_rest_of_the_set_loads(tmp_path):
     tasks = tmp_path / "set"
     make_task(tasks, "good")

@@ -35,7 +35,7 @@ _REGISTRATION: list = []  # this process's open, locked registration file (kept 
 def job_cores(launcher_cpus: int | None = None) -> int:
     """The cores this process may use: affinity, cgroup quota, SLURM's and the launcher's cpus per task."""
     limits = [len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1]
-    quota = _cgroup_quota_cores()
+    quota = cgroup_quota_cores()
     if quota:
         limits.append(quota)
     slurm = os.environ.get("SLURM_CPUS_PER_TASK", "")
@@ -149,7 +149,7 @@ def _affinity() -> set[int]:
     return set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
 
 
-def _cgroup_quota_cores(root: Path = Path("/sys/fs/cgroup")) -> int | None:
+def cgroup_quota_cores(root: Path = Path("/sys/fs/cgroup")) -> int | None:
     """ceil(quota / period) of this process's cgroup (v2 `cpu.max`, v1 `cpu.cfs_quota_us`); None when unlimited."""
     try:
         quota, period = (root / "cpu.max").read_text().split()[:2]

@@ -161,8 +161,7 @@ def train(job: Any, start: str, tasks: list, out: Path) -> RLResult:
     finally:
         source.close()
 
-    # ties: the earlier, less-trained one; an eval with no valid episode (NaN) is never the peak
-    best = max(state["evals"], key=lambda e: (not math.isnan(e["eval/reward"]), e["eval/reward"], -e["step"]))
+    best = peak(state["evals"])
     plot_curve(
         [(e["step"], e["eval/reward"]) for e in state["evals"]],
         out / "grpo.png",
@@ -184,6 +183,16 @@ def train(job: Any, start: str, tasks: list, out: Path) -> RLResult:
         **{k: best[k] for k in EVAL_KEYS},
     }
     return RLResult(best["checkpoint"], metrics, {exported.kind: exported.path})
+
+
+def peak(evals: list[dict]) -> dict:
+    """The eval point with the highest held-out reward: on a tie the earlier, less-trained one; an eval with no valid
+    episode (NaN) is never the peak unless every one is.
+
+    >>> peak([{"step": 0, "eval/reward": math.nan}, {"step": 4, "eval/reward": 0.5}, {"step": 8, "eval/reward": 0.5}])
+    {'step': 4, 'eval/reward': 0.5}
+    """
+    return max(evals, key=lambda e: (not math.isnan(e["eval/reward"]), e["eval/reward"], -e["step"]))
 
 
 class _RolloutSource:
@@ -382,12 +391,7 @@ def _report(cfg: Any, evals: list[dict], step: int) -> None:
     returns that start, and judged on its latest reward it would be stopped and its good result thrown away.
     """
     trial.report(cfg, "eval/reward", evals[-1]["eval/reward"], step)
-    trial.report(
-        cfg,
-        "grpo/best_reward",
-        max((e["eval/reward"] for e in evals if not math.isnan(e["eval/reward"])), default=math.nan),
-        step,
-    )
+    trial.report(cfg, "grpo/best_reward", peak(evals)["eval/reward"], step)
 
 
 def _drop_unless_kept(checkpoint: str, state: dict) -> None:

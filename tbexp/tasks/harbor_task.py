@@ -235,9 +235,12 @@ def load_task(path: str | Path, migrated_dir: Path | None = None) -> Task:
     if not path.is_dir():
         raise TaskError(f"{path}: not a task directory (no such directory)")
     if not (path / "task.toml").is_file() and (path / "task.yaml").is_file():
-        from tbexp.tasks.migrate import migrate_tb1
+        from tbexp.tasks.migrate import MigrationError, migrate_tb1
 
-        path = migrate_tb1(path, migrated_dir)
+        try:
+            path = migrate_tb1(path, migrated_dir)
+        except MigrationError as err:  # a task that cannot be used, as every other loading error
+            raise TaskError(str(err)) from err
     toml_path = path / "task.toml"
     if not toml_path.is_file():
         raise TaskError(f"{toml_path}: missing (every Harbor task needs task.toml; a Terminal-Bench 1 task, task.yaml)")

@@ -19,8 +19,14 @@ from importlib.metadata import version
 from pathlib import Path
 
 from tbexp.cache import cache_root
+from tbexp.errors import TbexpError
 
 log = logging.getLogger(__name__)
+
+
+class MigrationError(TbexpError, ValueError):
+    """Harbor's mapper refused a Terminal-Bench 1 directory; the message names its task.yaml. `load_task` raises it
+    as the `TaskError` every loader catches (this module sits below harbor_task.py and does not import it)."""
 
 
 def default_migrated_dir() -> Path:
@@ -30,8 +36,6 @@ def default_migrated_dir() -> Path:
 
 def migrate_tb1(source: Path, migrated_dir: Path | None = None) -> Path:
     """The Harbor task directory converted from the TB1 directory `source` (converted now if not yet)."""
-    from tbexp.tasks.harbor_task import TaskError
-
     target = (migrated_dir or default_migrated_dir()) / content_hash(source) / source.name
     if (target / "task.toml").is_file():
         return target
@@ -45,7 +49,7 @@ def migrate_tb1(source: Path, migrated_dir: Path | None = None) -> Path:
             with contextlib.redirect_stdout(printed):  # the mapper prints what it moved; keep it for the log
                 TerminalBenchMapper()._map_task(source, staged)
         except Exception as err:  # the mapper raises whatever pydantic, yaml or the file system raise
-            raise TaskError(
+            raise MigrationError(
                 f"{source / 'task.yaml'}: Harbor's Terminal-Bench mapper refused it: {type(err).__name__}: {err}"
             ) from err
         for line in printed.getvalue().splitlines():
