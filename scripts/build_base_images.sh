@@ -29,19 +29,20 @@ if [ ${#IMAGES[@]} -eq 0 ]; then
           ghcr.io/laude-institute/t-bench/python-3-13:20250620 ghcr.io/laude-institute/t-bench/ubuntu-24-04:20250624
           ghcr.io/laude-institute/t-bench/ubuntu-24-04:latest ghcr.io/astral-sh/uv:0.9.5)
 fi
-declare -A IMPORTED  # root -> the image already imported from it in this run: a second name is a tag
+declare -A IMPORTED  # stand-in root name -> an image of it already here: a second name is a tag
 stand_in() { (cd "$REPO" && PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m tbexp.sandboxes.environments "$@" | tail -1); }
 for IMAGE in "${IMAGES[@]}"; do
   NAME=$(stand_in --name "$IMAGE")
   if [ "$(docker image inspect "$IMAGE" --format '{{index .Config.Labels "tbexp.stand_in"}}' 2>/dev/null)" = "$NAME" ]; then
+    IMPORTED[$NAME]=$IMAGE
     continue  # imported from the current definition's root already
   fi
-  ROOT=$(stand_in "$IMAGE")
-  if [ -n "${IMPORTED[$ROOT]:-}" ]; then
-    docker tag "${IMPORTED[$ROOT]}" "$IMAGE"
-    echo "image ready: $IMAGE (a tag of ${IMPORTED[$ROOT]})" >&2
+  if [ -n "${IMPORTED[$NAME]:-}" ]; then
+    docker tag "${IMPORTED[$NAME]}" "$IMAGE"
+    echo "image ready: $IMAGE (a tag of ${IMPORTED[$NAME]})" >&2
     continue
   fi
+  ROOT=$(stand_in "$IMAGE")
   # The root's own config (.tbexp-env.json: WORKDIR, ENV), as `docker import --change` lines.
   mapfile -t CHANGES < <("$PYTHON" - "$ROOT" <<'EOF'
 import json, pathlib, sys
@@ -59,6 +60,6 @@ EOF
   echo "importing $ROOT as $IMAGE (a local stand-in, not the published image)..." >&2
   tar -C "$ROOT" --exclude=./.tbexp-complete --exclude=./.tbexp-env.json --exclude=./.tbexp-tool-image -c . | docker import \
     "${CHANGES[@]}" --message "tbexp local stand-in for $IMAGE, from $ROOT" - "$IMAGE" >/dev/null
-  IMPORTED[$ROOT]=$IMAGE
+  IMPORTED[$NAME]=$IMAGE
   echo "image ready: $IMAGE ($(docker image inspect "$IMAGE" --format '{{.Size}}' | numfmt --to=iec))" >&2
 done
