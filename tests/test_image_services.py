@@ -165,6 +165,7 @@ services:
         ),
         ("services:\n  a:\n    image: x\n    depends_on: [b]\n  b:\n    image: x\n    depends_on: [a]\n", "a cycle"),
         ("services:\n  main:\n    image: other:1\n", "main is built from environment/"),
+        ("services:\n  main:\n    working_dir: /srv\n", r"main\.working_dir: not honoured for main"),
         ("services:\n  side: {}\n", r"services\.side: neither `image` nor `build`"),
         ("services:\n  main:\n    depends_on: [ghost]\n", r"main\.depends_on: no service 'ghost'"),
         ("secrets: {}\nservices: {}\n", "top-level 'secrets'"),

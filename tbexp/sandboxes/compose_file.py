@@ -16,7 +16,8 @@ starts; read-only is not enforced). Ignored, as they change nothing an episode s
 episode's one network), `pull_policy`, `platform`, and on `main` volumes under /logs (Harbor's log mounts). Anything
 else (`privileged`, `cap_add`, `network_mode`, `devices`, host paths in `volumes`, named volumes, `extends`,
 `secrets`, `profiles`, ...) makes the task unrunnable, the message naming the key. `main` is always built from
-`environment/` (its Dockerfile, or the task's `docker_image`): another build or image for it is refused.
+`environment/` (its Dockerfile, or the task's `docker_image`): another build or image for it is refused, and so are
+its `user` and `working_dir` (the sandbox takes those from the image and task.toml).
 """
 
 from __future__ import annotations
@@ -116,6 +117,11 @@ def _service(name: str, spec: dict, path: Path, base: Service | None, main_image
                 "another build context or image for main is not honoured"
             )
         service.build = None
+        if unhonoured := sorted({"user", "working_dir"} & set(spec)):
+            raise EnvironmentBuildError(
+                f"{where}.{unhonoured[0]}: not honoured for main (the sandbox takes its user and working directory "
+                "from the image and task.toml: set USER / WORKDIR in the Dockerfile)"
+            )
     elif not service.image and not service.build:
         raise EnvironmentBuildError(f"{where}: neither `image` nor `build`")
     service.environment.update(_environment(spec, context, where))
