@@ -27,6 +27,7 @@ import logging
 import os
 import re
 import tarfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -222,14 +223,24 @@ def ensure_service_images(api: docker.APIClient, services: dict[str, Service], t
                 )
             continue
         tag = f"tbexp-service:{_build_hash(api, service.build)}"
-        if not has_image(api, tag):
-            source = dict(path=str(service.build["context"]), dockerfile=service.build["dockerfile"])
-            if service.build["args"]:
-                source["buildargs"] = service.build["args"]
-            if service.build["target"]:
-                source["target"] = service.build["target"]
-            _build(api, source, tag, task.name, timeout_s, f"{compose_file(task)}: services.{service.name}.build")
+        with _build_lock(tag):  # episodes starting at once build a service's image once
+            if not has_image(api, tag):
+                source = dict(path=str(service.build["context"]), dockerfile=service.build["dockerfile"])
+                if service.build["args"]:
+                    source["buildargs"] = service.build["args"]
+                if service.build["target"]:
+                    source["target"] = service.build["target"]
+                _build(api, source, tag, task.name, timeout_s, f"{compose_file(task)}: services.{service.name}.build")
         service.image = tag
+
+
+_locks: dict[str, threading.Lock] = {}
+_locks_guard = threading.Lock()
+
+
+def _build_lock(tag: str) -> threading.Lock:
+    with _locks_guard:
+        return _locks.setdefault(tag, threading.Lock())
 
 
 def _build_hash(api: docker.APIClient, build: dict[str, Any]) -> str:
