@@ -452,6 +452,8 @@ def _main_suite(args) -> None:
         print(f"\n== {name}: conformance suite ==")
         if not _usable(name):
             continue
+        tasks = _suite_tasks(args.suite, name)  # a task one sandbox cannot run by design (compose in bwrap) is left out
+        runs = math.ceil(args.episodes / len(tasks))
         rootfs = _compose(name).sandbox.rootfs
         cold = {"tbexp": _cold_builds(name, tasks, rootfs, harbor=False)}
         if args.harbor:
@@ -474,15 +476,15 @@ def _main_suite(args) -> None:
         _warn_unsolved(results)
 
 
-def _suite_tasks(root: Path):
-    """The suite's tasks expected to be scored that tbexp loads; the others are named with the reason."""
+def _suite_tasks(root: Path, sandbox: str = ""):
+    """The suite's tasks expected to be scored (in `sandbox`, where given) that tbexp loads; the others are named."""
     from conformance import load_suite
 
     from tbexp.tasks import TaskError, load_task
 
     tasks = []
     for e in load_suite(root):
-        if e.expect != "scored":
+        if (e.in_sandbox(sandbox) if sandbox else e).expect != "scored":
             continue
         try:
             tasks.append(load_task(e.path))

@@ -14,6 +14,8 @@ Terminal-Bench 1) saying which published convention it exercises and what must c
     nop_reward = 0.0                    # per-test reward the do-nothing policy gets
     unrunnable_reason = "build failed"  # optional, with expect = "unrunnable": a regex the reason must match
     harbor_reward = 0.0  # optional, with expect = "unrunnable": Harbor's runner scores it (both policies), tbexp not
+    unrunnable_in = ["bwrap"]           # optional, with expect = "scored": unrunnable in these sandboxes (the reason
+                                        # matching unrunnable_reason), scored in the others
 
 tbexp's numbers come from its own eval stage, run as a user runs it
 (`python -m tbexp stage=eval tasks=dir eval.candidates=[oracle,nop] sandbox=…`, one run per
@@ -44,7 +46,7 @@ import shutil
 import subprocess
 import sys
 import tomllib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -73,6 +75,13 @@ class Expectation:
     # where tbexp's verdict differs from Harbor's on purpose: what Harbor's runner gives both policies (a verifier
     # that ran no test is a valid 0 to Harbor, an infrastructure failure to tbexp); None = unrunnable there too
     harbor_reward: float | None = None
+    unrunnable_in: tuple[str, ...] = ()  # sandboxes where a scored task must be unrunnable (a compose task in bwrap)
+
+    def in_sandbox(self, sandbox: str) -> Expectation:
+        """What must come out in `sandbox`: unrunnable there where `unrunnable_in` names it."""
+        if sandbox not in self.unrunnable_in:
+            return self
+        return replace(self, expect=UNRUNNABLE, oracle_reward=None, nop_reward=None, unrunnable_in=())
 
     @property
     def oracle_strict(self) -> float | None:
@@ -105,7 +114,15 @@ def read_expectation(task_dir: Path) -> Expectation:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as err:
         raise ConformanceError(f"{path}: broken TOML: {err}") from err
-    known = {"convention", "expect", "oracle_reward", "nop_reward", "unrunnable_reason", "harbor_reward"}
+    known = {
+        "convention",
+        "expect",
+        "oracle_reward",
+        "nop_reward",
+        "unrunnable_reason",
+        "harbor_reward",
+        "unrunnable_in",
+    }
     if unknown := sorted(set(data) - known):
         raise ConformanceError(f"{path}: unknown key(s) {unknown}; allowed: {sorted(known)}")
     for key in ("convention", "expect"):
@@ -124,8 +141,13 @@ def read_expectation(task_dir: Path) -> Expectation:
             raise ConformanceError(f"{path}: {key} = {value!r}; must be a number in [0, 1]")
         rewards[key] = None if value is None else float(value)
     reason = data.get("unrunnable_reason", "")
-    if reason and data["expect"] != UNRUNNABLE:
-        raise ConformanceError(f'{path}: unrunnable_reason is only for expect = "unrunnable"')
+    unrunnable_in = data.get("unrunnable_in", [])
+    if not isinstance(unrunnable_in, list) or not set(unrunnable_in) <= set(SANDBOXES):
+        raise ConformanceError(f"{path}: unrunnable_in = {unrunnable_in!r}; a list of sandboxes from {list(SANDBOXES)}")
+    if unrunnable_in and data["expect"] != "scored":
+        raise ConformanceError(f'{path}: unrunnable_in is only for expect = "scored"')
+    if reason and data["expect"] != UNRUNNABLE and not unrunnable_in:
+        raise ConformanceError(f'{path}: unrunnable_reason is only for expect = "unrunnable" (or with unrunnable_in)')
     harbor = data.get("harbor_reward")
     if harbor is not None and (
         data["expect"] != UNRUNNABLE
@@ -150,6 +172,7 @@ def read_expectation(task_dir: Path) -> Expectation:
         **rewards,
         unrunnable_reason=reason,
         harbor_reward=None if harbor is None else float(harbor),
+        unrunnable_in=tuple(unrunnable_in),
     )
 
 
@@ -437,6 +460,7 @@ class Row:
 
 def check_row(e: Expectation, sandbox: str, scores: dict[str, Score]) -> Row:
     """Each of the row's expectations, held or not; the failures name what was expected and what came."""
+    e = e.in_sandbox(sandbox)
     row = Row(e.name, e.convention, sandbox, e.expect, scores)
     for key, score in scores.items():
         policy = key.removeprefix("harbor-")
@@ -480,7 +504,7 @@ def table(rows: list[Row], suite: dict[str, Expectation]) -> list[list[str]]:
     head += ["Harbor oracle", "Harbor nop"] if harbor else []
     lines = [[*head, "verdict"]]
     for r in rows:
-        e, s = suite[r.task], r.scores
+        e, s = suite[r.task].in_sandbox(r.sandbox), r.scores
         oracle = s["oracle"]
         expected_strict = "-" if e.oracle_strict is None else f"{e.oracle_strict:.0f}"
         strict = f"{expected_strict} / {UNRUNNABLE if oracle.unrunnable else f'{oracle.strict:.0f}'}"

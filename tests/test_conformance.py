@@ -67,6 +67,11 @@ GOOD = 'convention = "c"\nexpect = "scored"\noracle_reward = 1.0\nnop_reward = 0
         ("convention = [", "broken TOML"),
         (GOOD + 'unrunnable_reason = "x"\n', "unrunnable_reason is only for expect"),
         ('convention = "c"\nexpect = "unrunnable"\nunrunnable_reason = "("\n', "not a regular expression"),
+        (GOOD + 'unrunnable_in = ["podman"]\n', r"unrunnable_in = \['podman'\]; a list of sandboxes"),
+        (
+            'convention = "c"\nexpect = "unrunnable"\nunrunnable_in = ["bwrap"]\n',
+            'unrunnable_in is only for expect = "scored"',
+        ),
     ],
 )
 def test_schema_errors_name_the_file_and_key(tmp_path, body, message):
@@ -84,6 +89,20 @@ def test_schema_accepts_an_unrunnable_task_without_rewards_and_a_missing_file_is
         conformance.read_expectation(task)
     with pytest.raises(conformance.ConformanceError, match=r"--only: no task \['nope'\]"):
         conformance.load_suite(tmp_path, ["nope"])
+
+
+def test_unrunnable_in_makes_one_sandbox_expect_unrunnable(tmp_path):
+    task = _task(tmp_path, GOOD + 'unrunnable_in = ["bwrap"]\nunrunnable_reason = "docker-compose"\n')
+    expectation = conformance.read_expectation(task)
+    Score = conformance.Score
+    refused = {p: Score(unrunnable="x/docker-compose.yaml: a multi-container task") for p in conformance.POLICIES}
+    assert conformance.check_row(expectation, "bwrap", refused).failures == []
+    assert conformance.check_row(expectation, "docker", refused).failures == [
+        "tbexp oracle: expected scored, got unrunnable: x/docker-compose.yaml: a multi-container task",
+        "tbexp nop: expected scored, got unrunnable: x/docker-compose.yaml: a multi-container task",
+    ]
+    other = {p: Score(unrunnable="build failed") for p in conformance.POLICIES}
+    assert "not for /docker-compose/" in conformance.check_row(expectation, "bwrap", other).failures[0]
 
 
 def test_a_row_fails_on_the_numbers_that_do_not_hold():
@@ -182,15 +201,17 @@ def bwrap_results(request, tmp_path_factory):
 
 
 def _stand_ins_needed(task_dirs: list[Path]) -> list[str]:
-    """The published base images the tasks' Dockerfiles start FROM that have local stand-ins."""
+    """The published images the tasks' Dockerfiles start FROM or COPY --from that have local stand-ins."""
     from tbexp.sandboxes.debian_roots import stand_in
     from tbexp.sandboxes.dockerfile import read_dockerfile
 
     images = set()
     for task_dir in task_dirs:
-        for dockerfile in (task_dir / "environment" / "Dockerfile", task_dir / "tests" / "Dockerfile"):
+        for dockerfile in [*(task_dir / "environment").rglob("Dockerfile"), task_dir / "tests" / "Dockerfile"]:
             if dockerfile.is_file():
-                images |= {stage.base_image for stage in read_dockerfile(dockerfile).stages}
+                stages = read_dockerfile(dockerfile).stages
+                images |= {stage.base_image for stage in stages}
+                images |= {step.flags["from"] for stage in stages for step in stage.steps if "from" in step.flags}
     return sorted(image for image in images if stand_in(image) is not None)
 
 

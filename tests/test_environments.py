@@ -132,13 +132,78 @@ def test_debian_stand_ins_follow_the_table():
     assert stand_in("alpine:3.20") is None
 
 
-def test_multi_stage_is_refused_by_the_builder_without_docker(tmp_path, bwrap_settings):
+def test_terminal_bench_base_images_and_uv_have_stand_ins():
+    python = stand_in("ghcr.io/laude-institute/t-bench/python-3-13:20250620")
+    ubuntu = stand_in("ghcr.io/laude-institute/t-bench/ubuntu-24-04:latest")
+    assert (python.suite, ubuntu.suite) == ("trixie", "trixie")
+    assert "asciinema" in python.flavour and "python3-pip" in python.flavour and "WORKDIR /app" in python.flavour
+    assert "asciinema" in ubuntu.flavour and "pip" not in ubuntu.flavour  # the real one has no pip either
+    assert stand_in("ghcr.io/laude-institute/t-bench/deveval:latest") is None  # contents not read: no stand-in
+    uv = stand_in("ghcr.io/astral-sh/uv:0.9.5")
+    assert (uv.tool, uv.version, uv.suite) == ("uv", "0.9.5", "")
+    assert stand_in("ghcr.io/astral-sh/uv:python3.12-bookworm-slim") is None  # uv's derived images: none
+    assert stand_in("ubuntu:26.04").suite == "trixie"
+    assert "/usr/local/bin" in stand_in("python:3.13-slim-bookworm").flavour  # where the python images keep pip
+
+
+def test_build_base_images_defaults_cover_every_stand_in_family():
+    """scripts/build_base_images.sh's default set names an image of every row of the table (ubuntu:26.04 too)."""
+    from tbexp.sandboxes.debian_roots import TABLE
+
+    script = (Path(__file__).resolve().parents[1] / "scripts" / "build_base_images.sh").read_text()
+    start = script.index("IMAGES=(debian")
+    defaults = script[start + len("IMAGES=(") : script.index(")", start)].split()
+    assert "ubuntu:26.04" in defaults and "ghcr.io/astral-sh/uv:0.9.5" in defaults
+    for pattern, *_ in TABLE:
+        assert any(__import__("re").fullmatch(pattern, image) for image in defaults), pattern
+
+
+@pytest.mark.slow
+def test_multi_stage_builds_the_stages_the_last_needs(tmp_path, bwrap_settings):
+    """Without Docker: an unused stage is never built, a named stage is copied from, uv comes from its tool image."""
+    from tbexp.sandboxes.bwrap import BwrapSandbox
+
     task = make_task(tmp_path, "multi")
     (task / "environment" / "Dockerfile").write_text(
-        "FROM debian:bookworm-slim AS build\nRUN true\nFROM debian:bookworm-slim\nCOPY --from=build /etc/hostname /x\n"
+        f"FROM debian:bookworm-slim AS unused\nRUN exit 9\n"
+        f"FROM debian:bookworm-slim AS build\nRUN echo built-{uuid.uuid4().hex[:8]} > /out.txt\n"
+        "FROM debian:bookworm-slim\nCOPY --from=build /out.txt /opt/x.txt\n"
+        'COPY --from=ghcr.io/astral-sh/uv:0.9.5 /uv /uvx /usr/local/bin/\nCMD ["bash"]\n'
     )
-    unrunnable = prepare_environments([load_task(task)], bwrap_settings)
-    assert "Dockerfile:3: a second FROM: multi-stage builds are not honoured" in unrunnable["test/multi"]
+    task = load_task(task)
+    assert prepare_environments([task], bwrap_settings) == {}
+    with BwrapSandbox(bwrap_settings, task) as box:
+        result = box.exec("cat /opt/x.txt; uv --version; uvx --version")
+        lines = result.output.split("\n")
+        assert result.exit_code == 0 and lines[0].startswith("built-") and lines[1].startswith("uv 0.9.5"), (
+            result.output
+        )
+    broken = make_task(tmp_path, "nostage")
+    (broken / "environment" / "Dockerfile").write_text("FROM debian:bookworm-slim\nCOPY --from=alpine:3.20 /x /x\n")
+    why = prepare_environments([load_task(broken)], bwrap_settings)["test/nostage"]
+    assert "Dockerfile:2: COPY --from: alpine:3.20: no Debian stand-in" in why, why
+
+
+def test_docker_image_that_cannot_be_had_is_built_from_its_dockerfile(tmp_path, bwrap_settings):
+    """Terminal-Bench 2.0's convention: a registry image plus the Dockerfile it was built from."""
+    from tbexp.sandboxes.bwrap import BwrapSandbox
+
+    task = make_task(tmp_path, "tb2")
+    toml = task / "task.toml"
+    toml.write_text(toml.read_text() + 'docker_image = "registry.invalid/tbexp/tb2-style:2.0"\n')
+    (task / "environment" / "Dockerfile").write_text("FROM tbexp-base:bookworm\nWORKDIR /app\nCOPY app/ /app/\n")
+    task = load_task(task)
+    assert prepare_environments([task], bwrap_settings) == {}
+    with BwrapSandbox(bwrap_settings, task) as box:
+        assert box.exec("cat /app/input.txt").output == "hello\n"
+        assert box.environment_source == (
+            "environment/Dockerfile (docker_image registry.invalid/tbexp/tb2-style:2.0 cannot be had offline; "
+            "built from the Dockerfile beside it)"
+        )
+    (task.environment_dir / "Dockerfile").unlink()  # no Dockerfile: the image is all there is, and it is named
+    again = load_task(task.path)
+    why = prepare_environments([again], compose_config("sandbox.environment_source=debootstrap").sandbox)
+    assert "registry.invalid/tbexp/tb2-style:2.0: no Debian stand-in" in why["test/tb2"]
 
 
 # -- bwrap ----------------------------------------------------------------------------
@@ -295,6 +360,30 @@ def test_prebuilt_docker_image_runs_in_docker(tmp_path, stand_ins):
         "docker_image no-such-image:ever is not on this engine"
         in prepare_environments([missing], settings)["test/prebuilt"]
     )
+
+
+@pytest.mark.docker
+def test_docker_image_the_engine_lacks_is_built_from_its_dockerfile_in_docker(tmp_path, docker_engine):
+    from tbexp.agents.base import make_agent
+    from tbexp.episodes.policies import make_policy
+    from tbexp.episodes.rollout import run_episode
+
+    cfg = compose_config("sandbox=docker", "sandbox.command_timeout_s=60")
+    settings, agent = cfg.sandbox, make_agent(cfg.agent)
+    task = make_task(tmp_path, "tb2")
+    toml = task / "task.toml"
+    toml.write_text(toml.read_text() + 'docker_image = "registry.invalid/tbexp/tb2-style:2.0"\n')
+    task = load_task(task)
+    assert prepare_environments([task], settings) == {}
+    episode = run_episode(task, 0, agent, lambda t, a: make_policy("oracle", t, a), settings, max_turns=4)
+    assert not episode.invalid and episode.report.strict, episode.invalid
+    assert episode.environment == (
+        "environment/Dockerfile (docker_image registry.invalid/tbexp/tb2-style:2.0 cannot be had offline; "
+        "built from the Dockerfile beside it)"
+    )
+    prebuilt = _prebuilt_task(tmp_path / "image", "tbexp-base:bookworm")  # an image the engine holds is run
+    episode = run_episode(prebuilt, 0, agent, lambda t, a: make_policy("oracle", t, a), settings, max_turns=4)
+    assert episode.environment == "docker_image tbexp-base:bookworm"
 
 
 @pytest.mark.docker

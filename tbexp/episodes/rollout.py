@@ -55,6 +55,7 @@ class Episode:
     step_reports: dict[str, TestReport] = field(default_factory=dict)  # a multi-step task's tests, step by step
     step_sampled: list[SampledTokens] = field(default_factory=list)  # policy=model: every step's tokens, in order
     network: str = ""  # "" = the sandbox had the network the task asked for; else what it asked and what it got
+    environment: str = ""  # where the sandbox's environment came from (Sandbox.environment_source); "" = never started
 
     @property
     def sequences(self) -> list[SampledTokens]:
@@ -108,6 +109,7 @@ def run_episode(
     except Exception as err:  # anything else is a bug, but one episode's bug must not end a run of hundreds
         episode.invalid = f"unexpected {type(err).__name__}: {err}\n{traceback.format_exc()}"
     finally:
+        episode.environment = getattr(sandbox, "environment_source", "")  # which of docker_image / Dockerfile ran
         try:
             sandbox.stop()
         except Exception as err:  # a sandbox that cannot be stopped must not take the run down with it

@@ -15,7 +15,10 @@ episode invalid rather than failed.
 environments take them, else the `sandbox` node's.
 Nothing an `exec` starts outlives it, except through `start_daemon`: a
 command whose background processes (a tmux server, the shells in its panes
-and what they run) must live on until `stop`, as terminus-2's terminal does.
+and what they run) must live on until `stop`, as terminus-2's terminal does,
+or the service an image starts (its ENTRYPOINT/CMD, started at `start`:
+image_start.py). `environment_source` says where the environment came from
+(the episode record keeps it).
 """
 
 from __future__ import annotations
@@ -87,11 +90,18 @@ class Sandbox(abc.ABC):
 
     provision: Any = None  # set at start: what provision.py bound in for the task's test.sh, or None
     user: str | int | None = None  # whom `exec` runs as; None = the image's USER
+    environment_source: str = ""  # set at start: "environment/Dockerfile", "docker_image NAME", ... (and why)
+    service: str = ""  # set at start: the image's service command it started before the agent, or ""
 
     def __init__(self, settings: Any, task: Task):
         self.settings = settings  # the `sandbox` config node
         self.task = task
         self.workdir = task.workdir  # where exec runs; a Dockerfile's WORKDIR may change it at start
+
+    @classmethod
+    def for_task(cls, settings: Any, task: Task) -> Sandbox:
+        """The sandbox for one task: this class, or (bwrap) the kind the task's environment needs."""
+        return cls(settings, task)
 
     @classmethod
     def prepare(cls, settings: Any, task: Task) -> None:
@@ -140,4 +150,4 @@ def make_sandbox(settings: Any, task: Task) -> Sandbox:
     """Build the sandbox class named by `settings._target_` for one task."""
     from hydra.utils import get_class
 
-    return get_class(settings._target_)(settings, task)
+    return get_class(settings._target_).for_task(settings, task)

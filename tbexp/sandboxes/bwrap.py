@@ -71,12 +71,22 @@ class BwrapSandbox(Sandbox):
     def prepare(cls, settings, task) -> None:
         bwrap_environment(task, settings)
 
+    @classmethod
+    def for_task(cls, settings, task) -> BwrapSandbox:
+        """A task whose image starts a service gets the session sandbox: its execs share the service's namespaces."""
+        from tbexp.sandboxes.bwrap_session import BwrapSessionSandbox
+
+        if cls is BwrapSandbox and _starts_service(task, settings):
+            return BwrapSessionSandbox(settings, task)
+        return cls(settings, task)
+
     def start(self) -> None:
         _reap_once()
         s = self.settings
         if shutil.which("bwrap") is None:
             raise SandboxError("bwrap not found: apt-get install bubblewrap (scripts/setup.sh does it)")
         self.env = bwrap_environment(self.task, s)
+        self.environment_source = self.env.source
         self.rootfs = self.env.root
         if not (self.rootfs / "usr/bin/python3").exists():
             raise SandboxError(f"sandbox.rootfs={self.rootfs} holds no root file system: run scripts/build_rootfs.sh")
@@ -262,6 +272,17 @@ class BwrapSandbox(Sandbox):
                     raise SandboxError(f"{remote}: resolves outside the sandbox")
                 return host
         raise SandboxError(f"{remote}: only {', '.join(self.writable)} are writable in a bwrap sandbox")
+
+
+def _starts_service(task, settings) -> bool:
+    """Whether the task's image starts a service (an environment that cannot be built starts none: start says why)."""
+    from tbexp.sandboxes.base import EnvironmentBuildError
+
+    try:
+        start = bwrap_environment(task, settings).start
+    except EnvironmentBuildError:
+        return False
+    return bool(start and start.service_argv())
 
 
 def _read_capped(proc: subprocess.Popen, timeout_s: float, limit: int, kill) -> tuple[bytes, bool, bool]:

@@ -9,6 +9,9 @@ sandbox's working directory, user and environment) instead of starting a new
 bwrap. What a command starts stays in the sandbox's PID namespace until
 `stop`, which kills the init and with it everything else in the namespace,
 then the cgroup. Limits are the same cgroup and prlimit as BwrapSandbox's.
+A task whose image starts a service (ENTRYPOINT/CMD, image_start.py) runs in this sandbox whatever `sandbox._target_`
+says (`BwrapSandbox.for_task`): the service is started at `start`, before the agent, and its network, processes and
+files are the later execs' own, as in the image's container.
 
 Simplified: a command run as another user than the sandbox's (`as_user`) gets a bwrap of its own over the
 same root, since the holder's user namespace maps one user; a command that times out or prints too much has its own process
@@ -29,6 +32,7 @@ import subprocess
 
 from tbexp.sandboxes.base import SandboxError, launcher_env
 from tbexp.sandboxes.bwrap import PATH, BwrapSandbox
+from tbexp.sandboxes.image_start import start_service
 
 HOLDER_START_TIMEOUT_S = 10.0  # how long the holding bwrap may take to report its init's pid
 
@@ -64,6 +68,7 @@ class BwrapSessionSandbox(BwrapSandbox):
             self.holder.kill()
             output = self.holder.communicate()[0].decode(errors="replace")
             raise SandboxError(f"the sandbox's init did not start: {output[-500:]}")
+        self.service = start_service(self, self.env.start)  # the image's own daemon, before anything else runs
 
     def start_daemon(self, command: str, timeout_s: float | None = None):
         return self.exec(command, timeout_s)  # what an exec starts lives on here anyway

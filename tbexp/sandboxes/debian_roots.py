@@ -10,6 +10,11 @@ What is simplified, and said in docs/environments.md:
 * A python image's interpreter is the suite's own: bookworm has 3.11, trixie 3.13. A version the suites lack
   (3.8-3.10, 3.12, 3.14) maps to the nearest suite, and the difference is the task's to bear.
 * Ubuntu images map to the Debian suite of about the same age; the root is Debian, not Ubuntu.
+* Terminal-Bench's own base images (`ghcr.io/laude-institute/t-bench/python-3-13`, `.../ubuntu-24-04`) are their
+  public Dockerfiles' contents on the same stand-ins: python:3.13-slim-bookworm, resp. ubuntu:24.04, plus tmux and
+  asciinema (and curl in the python one), WORKDIR /app. Their `deveval` image (many toolchains) has none.
+* uv's own image (`ghcr.io/astral-sh/uv:<version>`, what `COPY --from` takes uv from) is a *tool image*: a root with
+  only /uv and /uvx, from PyPI's `uv` wheel of that version (`latest` is provision.DEFAULT_UV_VERSION).
 * Anything else (alpine, node, a private image) has no stand-in: the environment is refused, or, where a
   Docker engine holds that image locally, the bwrap root is exported from it (environments.py).
 """
@@ -28,12 +33,28 @@ DEBOOTSTRAP_TIMEOUT_S = 900
 HOST_CAS = Path("/usr/local/share/ca-certificates")  # the host's own CAs (an egress proxy's, for one)
 HOST_CAS_MARK = ".tbexp-host-cas"
 # A python image installs with `pip install` system-wide and has `python`; Debian's python3 refuses
-# (PEP 668) and has only `python3`, so the stand-in removes the marker and adds the alias.
+# (PEP 668) and has only `python3`, so the stand-in removes the marker and adds the alias. The image keeps its
+# interpreter and pip in /usr/local/bin (`RUN /usr/local/bin/pip install`, `#!/usr/local/bin/python3`): links there.
 PYTHON_FLAVOUR = (
     "RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "
     "python3-pip python3-venv python-is-python3 && rm -rf /var/lib/apt/lists/* "
-    "&& rm -f /usr/lib/python3*/EXTERNALLY-MANAGED\n"
+    "&& rm -f /usr/lib/python3*/EXTERNALLY-MANAGED "
+    '&& v=$(python3 -c "import sys; print(*sys.version_info[:2], sep=chr(46))") '
+    "&& for f in python python3 python$v; do ln -sf /usr/bin/python3 /usr/local/bin/$f; done "
+    "&& for f in pip pip3 pip$v; do ln -sf /usr/bin/pip3 /usr/local/bin/$f; done\n"
 )
+# Terminal-Bench's base images (their public Dockerfiles): the tools its harness drives, and /app.
+TBENCH_PYTHON_FLAVOUR = (
+    PYTHON_FLAVOUR
+    + "RUN apt-get update && apt-get install -y tmux curl asciinema && rm -rf /var/lib/apt/lists/*\n"
+    + "RUN echo 'debconf debconf/frontend select Noninteractive' | debconf-set-selections\n"
+    + "WORKDIR /app\n"
+)
+TBENCH_UBUNTU_FLAVOUR = (
+    "RUN apt-get update && apt-get install -y tmux asciinema && rm -rf /var/lib/apt/lists/*\nWORKDIR /app\n"
+)
+TBENCH = r"ghcr\.io/laude-institute/t-bench"
+UV_IMAGE = re.compile(r"ghcr\.io/astral-sh/uv:(latest|\d+\.\d+\.\d+)")  # the distroless one: /uv and /uvx only
 
 
 @dataclass(frozen=True)
@@ -42,10 +63,14 @@ class StandIn:
     suite: str  # the Debian suite that serves it
     flavour: str  # Dockerfile lines run on the suite root to make it look like the image's family
     why: str  # the table row that matched, for messages and docs
+    tool: str = ""  # a tool image ("uv"): no suite, a root holding only the tool's files
+    version: str = ""  # the tool's version
 
 
 # (pattern on `name:tag`, suite, flavour, why): the first match wins. `{py}` rows map on the python version.
 TABLE: tuple[tuple[str, str, str, str], ...] = (
+    (TBENCH + r"/python-3-13(:.*)?", "trixie", TBENCH_PYTHON_FLAVOUR, "Terminal-Bench python-3-13: trixie's 3.13"),
+    (TBENCH + r"/ubuntu-24-04(:.*)?", "trixie", TBENCH_UBUNTU_FLAVOUR, "Terminal-Bench ubuntu-24-04: trixie"),
     (r"debian:(bookworm|12)([-.].*)?", "bookworm", "", "debian bookworm"),
     (r"debian:(trixie|13|stable|latest)([-.].*)?|debian", "trixie", "", "debian trixie"),
     (r"python:3\.([0-9]|1[01])([-.].*)?", "bookworm", PYTHON_FLAVOUR, "python 3.11 and older: bookworm's 3.11"),
@@ -74,8 +99,15 @@ def stand_in(image: str) -> StandIn | None:
     'bookworm'
     >>> stand_in("alpine:3.20") is None
     True
+    >>> stand_in("ghcr.io/astral-sh/uv:0.9.5").tool, stand_in("ghcr.io/laude-institute/t-bench/ubuntu-24-04:20250624").suite
+    ('uv', 'trixie')
     """
     name = re.sub(r"^(docker\.io/)?(library/)?", "", image.split("@")[0])
+    if found := UV_IMAGE.fullmatch(name):
+        from tbexp.sandboxes.provision import DEFAULT_UV_VERSION
+
+        version = DEFAULT_UV_VERSION if found.group(1) == "latest" else found.group(1)
+        return StandIn(image, "", "", f"uv's image: /uv and /uvx of uv {version}", tool="uv", version=version)
     for pattern, suite, flavour, why in TABLE:
         if re.fullmatch(pattern, name):
             return StandIn(image, suite, flavour, why)
@@ -84,7 +116,7 @@ def stand_in(image: str) -> StandIn | None:
 
 def table_text() -> str:
     """The FROM -> suite table, one line a row, for refusals."""
-    return "; ".join(f"{why}" for _, _, _, why in TABLE)
+    return "; ".join([*(f"{why}" for _, _, _, why in TABLE), "ghcr.io/astral-sh/uv:<version>: uv's tool image"])
 
 
 def suite_root(suite: str, cache: Path, log) -> Path:

@@ -4,7 +4,12 @@
 docker_images.py), guards this process's containers against its death, and
 starts a container with the task's limits (base.task_limits, docker_containers.py);
 an exec runs as the sandbox's current user (`as_user`: task.toml's agent or
-verifier user, checked at start). This module
+verifier user, checked at start). A multi-container task's other services
+(`environment/docker-compose.yaml`) are started first, on an internal network of
+the episode's own that the container joins, and removed at stop (compose.py); the
+image's own service (ENTRYPOINT/CMD, or main's compose command) is started last,
+before the agent, and from then on nothing an exec leaves running is killed,
+as after `start_daemon` (image_start.py). This module
 holds the sandbox itself: running commands in the container and copying files
 in and out of it.
 
@@ -56,8 +61,11 @@ import docker
 
 from tbexp.sandboxes import provision
 from tbexp.sandboxes.base import OUTPUT_LIMIT_EXIT, TIMEOUT_EXIT, ExecResult, Sandbox, SandboxError, task_limits
+from tbexp.sandboxes.compose import ensure_service_images, start_project
+from tbexp.sandboxes.compose_file import compose_file, read_compose
 from tbexp.sandboxes.docker_containers import _container_options, _create_container, _guard_process
-from tbexp.sandboxes.docker_images import ENGINE_ERRORS, _client, _ensure_image
+from tbexp.sandboxes.docker_images import ENGINE_ERRORS, _client, _ensure_image, image_source
+from tbexp.sandboxes.image_start import start_service
 
 log = logging.getLogger(__name__)
 
@@ -78,13 +86,17 @@ KILL_ALL = ["bash", "-c", "kill -9 -1"]
 class DockerSandbox(Sandbox):
     @classmethod
     def prepare(cls, settings, task) -> None:
-        _ensure_image(_client(), task, settings)
+        api = _client()
+        image = _ensure_image(api, task, settings)
+        if compose_file(task):  # the other services' images too: a build that fails makes the task unrunnable
+            ensure_service_images(api, read_compose(task, image), task)
 
     def start(self) -> None:
-        self.id = None
+        self.id = self.project = None
         self.api = _client()
         _guard_process(self.api)
         self.image = image = _ensure_image(self.api, self.task, self.settings)
+        self.environment_source = image_source(image)
         try:
             config = self.api.inspect_image(image)["Config"] or {}
             image_workdir = config.get("WorkingDir") or "/"
@@ -98,15 +110,20 @@ class DockerSandbox(Sandbox):
             self.provision = provision.prepare(self.task)
             if self.provision:
                 options["host_config"]["binds"] = [f"{host}:{path}:ro" for host, path in self.provision.mounts]
+            self.project, options, start, command = start_project(self.api, self.task, self.settings, image, options)
             self.id = _create_container(self.api, image, options)
             self.api.start(self.id)
             self._check_users()
             if self.provision:  # listed before the agent runs, so deleting an interpreter cannot make it "missing"
                 names = provision.interpreters_of_image(image, lambda: self.exec(provision.INTERPRETER_PROBE).output)
                 self.provision = self.provision.with_interpreters(names)
+            self.service = start_service(self, start, command)  # the image's own daemon, before the agent
         except ENGINE_ERRORS as err:
             self.stop()
             raise SandboxError(f"cannot start a container from {image} for {self.task.name}: {err}") from err
+        except BaseException:
+            self.stop()
+            raise
 
     def exec(self, command: str, timeout_s: float | None = None) -> ExecResult:
         timeout_s = self.settings.command_timeout_s if timeout_s is None else timeout_s
@@ -180,15 +197,19 @@ class DockerSandbox(Sandbox):
 
     def stop(self) -> None:
         cid, self.id = getattr(self, "id", None), None
-        if not cid:
-            return
-        try:
-            self.api.remove_container(cid, force=True)
-        except docker.errors.NotFound:
-            pass
-        except ENGINE_ERRORS as err:
-            if "already in progress" not in str(err):  # auto-remove got there first
-                log.warning("could not remove container %s (it ends itself within max_lifetime_s): %s", cid[:12], err)
+        project, self.project = getattr(self, "project", None), None
+        if cid:
+            try:
+                self.api.remove_container(cid, force=True)
+            except docker.errors.NotFound:
+                pass
+            except ENGINE_ERRORS as err:
+                if "already in progress" not in str(err):  # auto-remove got there first
+                    log.warning(
+                        "could not remove container %s (it ends itself within max_lifetime_s): %s", cid[:12], err
+                    )
+        if project:
+            project.down()  # the other services and the episode's network
 
     # -- helpers --------------------------------------------------------------
 

@@ -4,10 +4,14 @@ The container has no network (the host's, where the task allows it), a CPU quota
 process-count limits, and its main process is a bash loop that sleeps until
 `max_lifetime_s` has passed, reaping orphans meanwhile; it then exits and the
 engine removes the container (auto-remove), so a dead tbexp leaves nothing
-behind for long. Two more guards remove containers sooner: the first start in
-a process removes labelled containers whose owner process (same host) is
-gone, and a detached watchdog process, started once per process, removes the
-owner's containers as soon as the owner dies, even by SIGKILL.
+behind for long. (It is the container's entrypoint too: an image's own ENTRYPOINT
+is started as its service by the sandbox, image_start.py, never as PID 1.) Two
+more guards remove containers sooner: the first start in a process removes
+labelled containers whose owner process (same host) is gone, and a detached
+watchdog process, started once per process, removes the owner's containers as
+soon as the owner dies, even by SIGKILL. Both remove the owner's labelled
+networks too (a multi-container task's episode network, compose.py), and the
+service containers on them, which carry the same labels but no timer of their own.
 
 What is simplified: a container's writable layer is capped at `disk_mb` only
 where the engine supports `--storage-opt size` (overlay2 on XFS with project
@@ -57,6 +61,11 @@ for container in api.containers(all=True, filters={"label": labels}):
         api.remove_container(container["Id"], force=True)
     except docker.errors.APIError:
         pass
+for network in api.networks(filters={"label": labels}):
+    try:
+        api.remove_network(network["Id"])
+    except docker.errors.APIError:
+        pass
 """
 
 _guard_lock = threading.Lock()  # guards _guarded_pid and _watchdog
@@ -78,17 +87,12 @@ def _container_options(
     limits = limits or Limits(int(settings.memory_mb), int(settings.disk_mb), None)
     safe_name = re.sub(r"[^a-zA-Z0-9_.-]+", "-", task_name).strip("-.")[:40] or "task"
     return dict(
-        command=["bash", "-c", KEEPER.format(lifetime_s=max(1, int(settings.max_lifetime_s)))],
+        entrypoint=["bash", "-c", KEEPER.format(lifetime_s=max(1, int(settings.max_lifetime_s)))],
+        command=[],
         name=f"tbexp-{safe_name}-{os.getpid()}-{uuid.uuid4().hex[:8]}",
         working_dir=workdir,
         environment=env,
-        labels={
-            LABEL: "1",
-            "tbexp.owner_pid": str(os.getpid()),
-            "tbexp.owner_host": HOST,
-            "tbexp.owner_start": _start_time(os.getpid()),
-            "tbexp.task": task_name,
-        },
+        labels={**owner_labels(), "tbexp.task": task_name},
         network_disabled=not network,
         host_config=dict(
             network_mode="host" if network else "none",
@@ -101,6 +105,16 @@ def _container_options(
         ),
         disk_mb=limits.disk_mb,
     )
+
+
+def owner_labels() -> dict[str, str]:
+    """What marks a container or network as this process's sandbox (the reaper and the watchdog read them)."""
+    return {
+        LABEL: "1",
+        "tbexp.owner_pid": str(os.getpid()),
+        "tbexp.owner_host": HOST,
+        "tbexp.owner_start": _start_time(os.getpid()),
+    }
 
 
 def _create_container(api: docker.APIClient, image: str, options: dict) -> str:
@@ -139,18 +153,27 @@ def _guard_process(api: docker.APIClient) -> None:
             stderr=subprocess.DEVNULL,
             start_new_session=True,  # a signal to the owner's process group spares it
         )
+    mine = {"label": [f"{LABEL}=1", f"tbexp.owner_host={HOST}"]}
+    _reap(
+        api, "containers", lambda: api.containers(all=True, filters=mine), lambda i: api.remove_container(i, force=True)
+    )
+    _reap(api, "networks", lambda: api.networks(filters=mine), api.remove_network)  # after their containers
+
+
+def _reap(api: docker.APIClient, kind: str, listed, remove) -> None:
+    """Remove each listed container or network whose owner process is gone."""
     try:
-        leftovers = api.containers(all=True, filters={"label": [f"{LABEL}=1", f"tbexp.owner_host={HOST}"]})
+        leftovers = listed()
     except ENGINE_ERRORS as err:
-        raise SandboxError(f"cannot list containers: {err}") from err
-    for container in leftovers:
-        labels = container.get("Labels") or {}
+        raise SandboxError(f"cannot list {kind}: {err}") from err
+    for item in leftovers:
+        labels = item.get("Labels") or {}
         owner = labels.get("tbexp.owner_pid", "")
         if owner.isdigit() and not _alive(int(owner), labels.get("tbexp.owner_start", "")):
             try:
-                api.remove_container(container["Id"], force=True)
+                remove(item["Id"])
             except ENGINE_ERRORS:
-                pass  # another process reaping at the same time
+                pass  # another process reaping at the same time (or a network still being emptied)
 
 
 def _start_time(pid: int) -> str:

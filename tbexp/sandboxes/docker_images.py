@@ -8,7 +8,9 @@ of the local images it starts FROM, so an environment shared by many tasks is
 built once per engine; threads that need the same tag wait on one lock. A
 second, one-line build adds tmux, python3 and bash where the image lacks them
 (a no-op RUN where it has them). A prebuilt `docker_image` gets only that
-second build. Nothing is ever pulled: a FROM image must exist locally
+second build; one the engine lacks is built from the task's `environment/Dockerfile`
+where the task ships it (Terminal-Bench 2.0's tasks do: Harbor's `--force-build`),
+and `image_source(tag)` says which was used. Nothing is ever pulled: a FROM image must exist locally
 (scripts/build_base_image.sh makes `tbexp-base:bookworm`,
 scripts/build_base_images.sh local stand-ins of published base images). A
 failed build is an EnvironmentBuildError, remembered for the process.
@@ -39,6 +41,7 @@ _clients: dict[int, docker.APIClient] = {}  # by pid: a forked child needs its o
 _tag_locks: dict[str, threading.Lock] = {}
 builds = {"docker": 0}  # environments this process built (tests count them)
 _failed: dict[str, EnvironmentBuildError] = {}  # tag -> why its build failed, in this process
+_sources: dict[str, str] = {}  # tag -> where the environment came from (image_source)
 BUILD_VERSION = "2"  # part of every tag: bump when what a build adds changes (2: the tools layer)
 DEFAULT_BUILD_TIMEOUT_S = 600.0  # Harbor's default build_timeout_sec
 STAND_INS = "scripts/build_base_images.sh builds local stand-ins of the common Debian, Ubuntu and python images"
@@ -69,14 +72,35 @@ def _ensure_image(api: docker.APIClient, task, settings) -> str:
     """The tag of the task's image: built (or, for a prebuilt `docker_image`, completed) once per content.
 
     A build that fails is remembered for the process: every later start of that task fails at once with
-    the same EnvironmentBuildError instead of building again.
+    the same EnvironmentBuildError instead of building again. Where a `docker_image` the engine lacks is built
+    from its Dockerfile instead and that fails too, the error says both.
     """
-    prebuilt = getattr(task, "docker_image", "") or ""
+    from tbexp.sandboxes.environments import usable_image
+
+    prebuilt, note = usable_image(task, "", lambda image: has_image(api, image))
+    try:
+        return _ensure_tag(api, task, settings, prebuilt, note)
+    except EnvironmentBuildError as err:
+        if not note:
+            raise
+        dockerfile = task.environment_dir / "Dockerfile"
+        raise type(err)(
+            f"{task.path / 'task.toml'}: docker_image {task.docker_image} is not on this engine and no registry can "
+            f"be reached, so {dockerfile} (what it was built from) was built instead, and failed: {err}"
+        ) from err
+
+
+def _ensure_tag(api: docker.APIClient, task, settings, prebuilt: str, note: str) -> str:
     env_dir = task.environment_dir
     dockerfile = env_dir / "Dockerfile"
     if not prebuilt and not dockerfile.is_file():
         raise EnvironmentBuildError(f"{dockerfile}: missing (sandbox=docker builds the task's environment from it)")
     tag = f"tbexp-task:{_prebuilt_hash(api, prebuilt, task) if prebuilt else _content_hash(api, env_dir, settings.base_image)}"
+    _sources[tag] = (
+        f"docker_image {prebuilt}"
+        if prebuilt
+        else "environment/Dockerfile" + (f" ({note}; built from the Dockerfile beside it)" if note else "")
+    )
     with _lock:
         lock = _tag_locks.setdefault(tag, threading.Lock())
     with lock:
@@ -107,6 +131,22 @@ def _ensure_image(api: docker.APIClient, task, settings) -> str:
             raise
         builds["docker"] += 1
     return tag
+
+
+def image_source(tag: str) -> str:
+    """Where the task image `tag` came from: `docker_image NAME`, or `environment/Dockerfile` (and why)."""
+    return _sources.get(tag, "")
+
+
+def has_image(api: docker.APIClient, image: str) -> bool:
+    """Whether the engine holds `image` (nothing is pulled)."""
+    try:
+        api.inspect_image(image)
+        return True
+    except docker.errors.ImageNotFound:
+        return False
+    except ENGINE_ERRORS as err:
+        raise SandboxError(f"cannot reach the Docker engine: {err}") from err
 
 
 def _build(api: docker.APIClient, source: dict, tag: str, task_name: str, timeout_s: float, what) -> None:
@@ -175,12 +215,15 @@ def export_image(api: docker.APIClient, image: str, dest: Path) -> None:
 
 
 def image_config(api: docker.APIClient, image: str):
-    """The image's working directory, environment and user, as the bwrap builder keeps them."""
+    """The image's working directory, environment, user and what it starts, as the bwrap builder keeps them."""
     from tbexp.sandboxes.environment_build import ImageConfig
+    from tbexp.sandboxes.image_start import ImageStart
 
     config = api.inspect_image(image)["Config"] or {}
     env = dict(entry.partition("=")[::2] for entry in config.get("Env") or [])
-    return ImageConfig(config.get("WorkingDir") or "/", env, config.get("User") or "")
+    return ImageConfig(
+        config.get("WorkingDir") or "/", env, config.get("User") or "", start=ImageStart.from_docker(config)
+    )
 
 
 def _prebuilt_hash(api: docker.APIClient, image: str, task) -> str:

@@ -25,15 +25,14 @@ from tbexp.sandboxes.base import EnvironmentBuildError
 
 SUBSTITUTED = {"FROM", "ENV", "ARG", "COPY", "ADD", "WORKDIR", "USER"}
 HONOURED = {"RUN", "COPY", "ADD", "WORKDIR", "ENV", "ARG", "USER", "SHELL"}
+# What a container of the image starts: kept in the image's config, started as its service (image_start.py).
+START = {"ENTRYPOINT", "CMD", "HEALTHCHECK"}
 # Instructions that shape how Docker starts a container, never what is in it: a sandbox starts its own.
 IGNORED = {
-    "CMD": "a sandbox runs its own commands",
-    "ENTRYPOINT": "a sandbox runs its own commands",
     "EXPOSE": "sandboxes publish no ports",
     "LABEL": "metadata only",
     "MAINTAINER": "metadata only",
     "STOPSIGNAL": "a sandbox is stopped by killing all of it",
-    "HEALTHCHECK": "a sandbox is ready once started",
     "VOLUME": "the writable paths are the sandbox's own",
 }
 
@@ -105,7 +104,7 @@ def read_dockerfile(path: Path) -> Dockerfile:
             and keyword in ("RUN", "COPY")
         ):
             raise DockerfileError(f"{where}: heredocs (<<EOF) need BuildKit, which neither sandbox's builder has")
-        if keyword not in HONOURED and keyword not in IGNORED and keyword != "FROM":
+        if keyword not in HONOURED | START and keyword not in IGNORED and keyword != "FROM":
             raise DockerfileError(f"{where}: {keyword}: not a Dockerfile instruction tbexp can build")
         flags, rest = _flags(rest)
         if keyword in SUBSTITUTED:

@@ -12,11 +12,13 @@ user). Honoured:
   archive unpacks it, as Docker does. Destinations are resolved inside `root` (a symlink in the image never
   leads out to the host).
 * `WORKDIR` (made if missing), `ENV`, `ARG` (read by dockerfile.py), `USER`, `SHELL`.
-* CMD, ENTRYPOINT, EXPOSE, LABEL, HEALTHCHECK, STOPSIGNAL, VOLUME, MAINTAINER are ignored, each for its
-  reason in dockerfile.IGNORED.
-Refused, naming the line: `COPY --from` (another stage or image), `ADD` of a URL or a git repository,
-`RUN --mount` other than a cache, `ONBUILD`, any other flag. `.dockerignore` is not read: the whole context
-is there to copy.
+* `ENTRYPOINT`, `CMD`, `HEALTHCHECK` are kept in the image's config (image_start.py: what the sandbox starts as the
+  image's service before the agent).
+* `COPY --from=<stage or image>`: the caller's `copy_from(name, where)` gives the root to copy from (an earlier stage's
+  built root, or an image's stand-in, such as uv's tool image); sources are paths in that root.
+* EXPOSE, LABEL, STOPSIGNAL, VOLUME, MAINTAINER are ignored, each for its reason in dockerfile.IGNORED.
+Refused, naming the line: `ADD` of a URL or a git repository, `RUN --mount` other than a cache, `ONBUILD`, any other
+flag. `.dockerignore` is not read: the whole context is there to copy.
 """
 
 from __future__ import annotations
@@ -32,10 +34,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tbexp.sandboxes.base import launcher_env
-from tbexp.sandboxes.dockerfile import DockerfileError, Instruction, Stage, parse_env
+from tbexp.sandboxes.dockerfile import START, DockerfileError, Instruction, Stage, parse_env
+from tbexp.sandboxes.image_start import ImageStart, apply_start
 
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-COPY_FLAGS = {"chown", "chmod", "link"}  # --link only changes how BuildKit layers the copy
+COPY_FLAGS = {"chown", "chmod", "link", "from"}  # --link only changes how BuildKit layers the copy
 # A RUN reaches the registries the host reaches, trusting what the host trusts (where a TLS-inspecting
 # proxy sits between, the image's own CA list would fail every https download): the host's bundle is
 # bound here for the step, and the usual variables point at it. The empty mount point is removed after.
@@ -56,19 +59,39 @@ class ImageConfig:
     env: dict[str, str] = field(default_factory=dict)
     user: str = ""  # "" = root; as written in USER (name, uid, name:group, uid:gid)
     shell: list[str] = field(default_factory=lambda: ["/bin/sh", "-c"])
+    start: ImageStart = field(default_factory=ImageStart)  # ENTRYPOINT, CMD, HEALTHCHECK
 
     def as_json(self) -> dict:
-        return {"workdir": self.workdir, "env": self.env, "user": self.user, "shell": self.shell}
+        return {
+            "workdir": self.workdir,
+            "env": self.env,
+            "user": self.user,
+            "shell": self.shell,
+            "start": self.start.as_json(),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> ImageConfig:
+        return cls(data["workdir"], data["env"], data["user"], data["shell"], ImageStart.from_json(data.get("start")))
 
 
-def build_stage(stage: Stage, context: Path, root: Path, config: ImageConfig, log, deadline: float) -> ImageConfig:
-    """Apply `stage`'s instructions to `root`, starting from the base image's `config`; the image's config."""
+def build_stage(
+    stage: Stage, context: Path, root: Path, config: ImageConfig, log, deadline: float, copy_from=None
+) -> ImageConfig:
+    """Apply `stage`'s instructions to `root`, starting from the base image's `config`; the image's config.
+
+    `copy_from(name, where) -> Path`: the root a `COPY --from=name` copies from (None: such a COPY is refused)."""
+    config.start.cmd_set = False  # a CMD the base image set is reset by this build's ENTRYPOINT
     for step in stage.steps:
         log(f"{step.where}: {step.keyword} {step.args}"[:300])
         if step.keyword == "RUN":
             _run(step, root, config, log, deadline)
+        elif step.keyword in ("COPY", "ADD") and "from" in step.flags:
+            _copy(step, _from_root(step, copy_from), root, config, from_image=True)
         elif step.keyword in ("COPY", "ADD"):
             _copy(step, context, root, config)
+        elif step.keyword in START:
+            apply_start(step, config.start, config.shell)
         elif step.keyword == "WORKDIR":
             config.workdir = posixpath.normpath(posixpath.join(config.workdir, step.args.strip() or "."))
             inside(root, config.workdir).mkdir(parents=True, exist_ok=True)
@@ -174,25 +197,27 @@ def _run(step: Instruction, root: Path, config: ImageConfig, log, deadline: floa
         raise DockerfileError(f"{step.where}: RUN {step.args[:200]} failed (exit {result.returncode}):\n{tail}")
 
 
-def _copy(step: Instruction, context: Path, root: Path, config: ImageConfig) -> None:
+def _from_root(step: Instruction, copy_from) -> Path:
+    if copy_from is None:
+        raise DockerfileError(f"{step.where}: {step.keyword} --from={step.flags['from']}: nothing to copy from here")
+    return copy_from(step.flags["from"], step.where)
+
+
+def _copy(step: Instruction, context: Path, root: Path, config: ImageConfig, from_image: bool = False) -> None:
+    """COPY/ADD from the build context, or (`from_image`) from another stage's or image's root at `context`."""
     for name in step.flags:
-        if name == "from":
-            raise DockerfileError(
-                f"{step.where}: {step.keyword} --from={step.flags[name]}: multi-stage builds are not honoured by the "
-                "bwrap builder; run a Docker engine (scripts/start_dockerd.sh), whose image it then exports"
-            )
         if name not in COPY_FLAGS:
             raise DockerfileError(f"{step.where}: {step.keyword} --{name}: not honoured by the bwrap builder")
     words = step.words()
     if len(words) < 2:
         raise DockerfileError(f"{step.where}: {step.keyword} needs a source and a destination")
     *patterns, dest = words
-    sources = _sources(step, context, patterns)
+    sources = _sources_in_image(step, context, patterns) if from_image else _sources(step, context, patterns)
     dest_path = posixpath.join(config.workdir, dest)
     as_dir = dest.endswith("/") or len(sources) > 1
     owner = user_ids(root, step.flags["chown"], step.where)[:2] if step.flags.get("chown") else None
     for source in sources:
-        if step.keyword == "ADD" and source.is_file() and tarfile.is_tarfile(source):
+        if step.keyword == "ADD" and not from_image and source.is_file() and tarfile.is_tarfile(source):
             target = inside(root, dest_path)
             target.mkdir(parents=True, exist_ok=True)
             with tarfile.open(source) as tar:
@@ -232,6 +257,23 @@ def _sources(step: Instruction, context: Path, patterns: list[str]) -> list[Path
             if context not in path.resolve().parents and path.resolve() != context:
                 raise DockerfileError(f"{step.where}: {step.keyword} {pattern}: outside the build context")
             sources.append(path)
+    return sources
+
+
+def _sources_in_image(step: Instruction, image_root: Path, patterns: list[str]) -> list[Path]:
+    """COPY --from sources: absolute paths (globs allowed) in another stage's or image's root, symlinks resolved in it."""
+    sources: list[Path] = []
+    for pattern in patterns:
+        matches = sorted(glob.glob(str(image_root / pattern.lstrip("/")))) if any(c in pattern for c in "*?[") else []
+        found = [inside(image_root, str(Path(m).relative_to(image_root))) for m in matches] or [
+            inside(image_root, pattern)
+        ]
+        found = [p for p in found if p.exists() or p.is_symlink()]
+        if not found:
+            raise DockerfileError(
+                f"{step.where}: {step.keyword} --from={step.flags['from']} {pattern}: not in that image"
+            )
+        sources += found
     return sources
 
 

@@ -1,19 +1,28 @@
 """Task environments for bwrap: one root file system per distinct `environment/`, built once and cached.
 
 `bwrap_environment(task, settings)` gives the root a task's sandboxes run on, with the image's working
-directory, environment and user. Three ways, chosen in this order:
+directory, environment, user and what it starts (its ENTRYPOINT/CMD service, image_start.py). Three ways, chosen in
+this order:
 1. **As today's built-in tasks:** a Dockerfile that starts FROM `sandbox.base_image` (or, without Docker,
-   a Debian stand-in) and only sets WORKDIR/ENV/ARG and COPYs files into the sandbox's writable paths runs
-   on that base root itself (`sandbox.rootfs` for `tbexp-base:bookworm`); its files are copied in at start.
+   a Debian stand-in) and only sets WORKDIR/ENV/ARG/CMD/ENTRYPOINT/HEALTHCHECK and COPYs files into the sandbox's
+   writable paths runs on that base root itself (`sandbox.rootfs` for `tbexp-base:bookworm`); its files are copied in
+   at start.
 2. **Exported from Docker** (`sandbox.environment_source=docker`, or `auto` with an engine answering): the
-   image docker_images.py builds for `sandbox=docker` is exported into `<cache>/environments/docker-<tag>/`.
+   image docker_images.py builds for `sandbox=docker` is exported into `<cache>/environments/docker-<id>-b<v>/`.
    A prebuilt `docker_image` is exported the same way. Under `auto`, an engine that lacks the FROM image
    (nothing is pulled) falls through to 3, with a warning.
-3. **Built without Docker** (`debootstrap`, or `auto` with no engine): the FROM image's Debian stand-in
-   (debian_roots.py, a debootstrap per suite) is copied to `<cache>/environments/<hash>/` and the stage's
-   instructions are applied to it (environment_build.py). `<hash>` covers the build context's contents,
-   the stand-in and this builder's version. A prebuilt `docker_image` is read as `FROM <docker_image>`.
+3. **Built without Docker** (`debootstrap`, or `auto` with no engine): the FROM image's stand-in (root_cache.py) is
+   copied to `<cache>/environments/<hash>/` and the stage's instructions are applied to it (environment_build.py).
+   A multi-stage Dockerfile builds every stage the last one needs (`FROM <stage>`, `COPY --from=<stage>`), each a root
+   of its own; a `COPY --from=<image>` copies from that image's stand-in (uv's tool image, a Debian stand-in).
+   `<hash>` covers the build context's contents, the stand-in, the stage and this builder's version.
 Every environment built has tmux, python3 and bash (installed by apt-get where the base lacks them).
+
+A task naming a prebuilt `docker_image` runs that image where it can be had (the base root, or an engine holding it);
+where it cannot and the task ships the `environment/Dockerfile` it was built from (Terminal-Bench 2.0's tasks do), the
+Dockerfile is built instead, as Harbor's `--force-build` does, and `PreparedEnvironment.source` says so. Without a
+Dockerfile, the image is read as `FROM <docker_image>` (its stand-in). A multi-container task
+(`environment/docker-compose.yaml`) is refused: a bwrap sandbox is one environment (sandbox=docker runs them).
 
 Each distinct environment is built once per machine (a file lock serialises processes), looked up once per
 process; a failure is remembered for the process, so every later episode of that task fails at once with
@@ -24,62 +33,50 @@ rebuilds (debootstrap included).
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
-import json
 import logging
 import os
 import posixpath
-import shutil
-import subprocess
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from tbexp.cache import cache_root
 from tbexp.sandboxes.base import EnvironmentBuildError, MissingImageError
-from tbexp.sandboxes.debian_roots import stand_in, suite_root, table_text
+from tbexp.sandboxes.debian_roots import stand_in
 from tbexp.sandboxes.dockerfile import (
     IGNORED,
+    START,
     Dockerfile,
-    DockerfileError,
     Stage,
     context_hash,
     parse_env,
     read_dockerfile,
 )
-from tbexp.sandboxes.environment_build import ImageConfig, build_stage, user_ids
+from tbexp.sandboxes.environment_build import ImageConfig, build_stage
+from tbexp.sandboxes.image_start import apply_start
+from tbexp.sandboxes.root_cache import (  # noqa: F401  (TOOLS, ENSURE_TOOLS, builds: read by the tests)
+    BUILDER_VERSION,
+    DEFAULT_BUILD_TIMEOUT_S,
+    ENSURE_TOOLS,
+    TOOLS,
+    WRITABLE_ROOTS,
+    PreparedEnvironment,
+    base_config,
+    builds,
+    cached_root,
+    stand_in_root,
+)
 
 log = logging.getLogger(__name__)
 
-BUILDER_VERSION = "1"  # bump when a change to the builders changes what a cached root holds
-WRITABLE_ROOTS = ("/app", "/tmp", "/root", "/logs", "/tests", "/solution")  # bwrap.WRITABLE
-TOOLS = ("usr/bin/tmux", "usr/bin/python3", "bin/bash")
-ENSURE_TOOLS = (
-    "RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "
-    "tmux python3 bash && rm -rf /var/lib/apt/lists/*\n"
-)
-DEFAULT_BUILD_TIMEOUT_S = 600.0  # Harbor's default build_timeout_sec
-
-
-@dataclass(frozen=True)
-class PreparedEnvironment:
-    root: Path
-    workdir: str = "/"  # "/" = the task's workdir (as docker.py does)
-    env: dict[str, str] = field(default_factory=dict)
-    uid: int = 0
-    gid: int = 0
-    home: str = "/root"
-    copies: tuple[tuple[Path, str], ...] = ()  # (host file, sandbox path): copied into the sandbox at start
-    seeded: bool = False  # the writable paths start with what the image holds there
-
+COMPOSE_FILE = "docker-compose.yaml"  # Harbor's name for a multi-container task's environment
 
 _lock = threading.Lock()
 _key_locks: dict[tuple, threading.Lock] = {}
 _prepared: dict[tuple, PreparedEnvironment | EnvironmentBuildError] = {}
-builds = {"bwrap": 0}  # roots built by this process (tests count them)
 
 
 def bwrap_environment(task: Any, settings: Any) -> PreparedEnvironment:
@@ -87,8 +84,9 @@ def bwrap_environment(task: Any, settings: Any) -> PreparedEnvironment:
     docker_image = getattr(task, "docker_image", "") or ""
     chosen = _chosen(settings)
     source = _source(chosen)
+    dockerfile = task.environment_dir / "Dockerfile"
     key = (
-        context_hash(task.environment_dir) if not docker_image else "",
+        context_hash(task.environment_dir) if dockerfile.is_file() or not docker_image else "",
         docker_image,
         source,
         chosen,  # auto may fall back from Docker where an explicit docker may not
@@ -101,6 +99,7 @@ def bwrap_environment(task: Any, settings: Any) -> PreparedEnvironment:
     with lock:
         if key not in _prepared:
             try:
+                refuse_compose(task)
                 _prepared[key] = _prepare(task, settings, docker_image, source, fall_back=chosen == "auto")
             except EnvironmentBuildError as err:
                 _prepared[key] = err
@@ -112,6 +111,16 @@ def bwrap_environment(task: Any, settings: Any) -> PreparedEnvironment:
     if isinstance(found, EnvironmentBuildError):
         raise found
     return found
+
+
+def refuse_compose(task: Any) -> None:
+    """A multi-container task cannot run in one bwrap sandbox: unrunnable, with that reason."""
+    compose = task.environment_dir / COMPOSE_FILE
+    if compose.is_file():
+        raise EnvironmentBuildError(
+            f"{compose}: a multi-container task (docker-compose services beside the main container) needs "
+            "sandbox=docker; a bwrap sandbox is one environment with no network, so it is not run here"
+        )
 
 
 def prepare_environments(tasks: list, sandbox_settings: Any) -> dict[str, str]:
@@ -157,14 +166,42 @@ def _prepare(task: Any, settings: Any, docker_image: str, source: str, fall_back
 
 def _prepare_from(task: Any, settings: Any, docker_image: str, source: str) -> PreparedEnvironment:
     if docker_image and source == "docker":
-        return _from_docker(task, settings)
-    dockerfile = _dockerfile(task, docker_image)
+        return _from_docker(task, settings)  # docker_images chooses between the image and the Dockerfile
+    image, note = usable_image(task, settings.base_image, _has_stand_in)
+    dockerfile = _dockerfile(task, image)
     light = _light(dockerfile, task, settings, source)
     if light:
-        return light
+        return replace(light, source=_source_note(task, image, note))
     if source == "docker":
         return _from_docker(task, settings)
-    return _built(dockerfile, task, settings)
+    return replace(_built(dockerfile, task, settings), source=_source_note(task, image, note))
+
+
+def usable_image(task: Any, base_image: str, has) -> tuple[str, str]:
+    """(the prebuilt image to run, '' to build environment/Dockerfile; why the image is not run, or '').
+
+    The image runs where it can be had (the base image, or `has(image)`: an engine holding it, a stand-in for it),
+    as Harbor runs a prebuilt image before it builds; where it cannot and the task ships the Dockerfile it was built
+    from, the Dockerfile is built, as `harbor run --force-build` builds it. Without a Dockerfile the image is all
+    there is (and an error names it).
+    """
+    image = getattr(task, "docker_image", "") or ""
+    if not image or not (task.environment_dir / "Dockerfile").is_file():
+        return image, ""
+    if image == base_image or has(image):
+        return image, ""
+    return "", f"docker_image {image} cannot be had offline"
+
+
+def _has_stand_in(image: str) -> bool:
+    found = stand_in(image)
+    return found is not None and not found.tool
+
+
+def _source_note(task: Any, image: str, note: str) -> str:
+    if image:
+        return f"docker_image {image}"
+    return "environment/Dockerfile" + (f" ({note}; built from the Dockerfile beside it)" if note else "")
 
 
 def _dockerfile(task: Any, docker_image: str) -> Dockerfile:
@@ -216,14 +253,21 @@ def _light(dockerfile: Dockerfile, task: Any, settings: Any, source: str) -> Pre
     stage = dockerfile.stages[-1]
     if len(dockerfile.stages) > 1:
         return None
-    if stage.base_image != settings.base_image and (source == "docker" or stand_in(stage.base_image) is None):
-        return None
-    config = ImageConfig()
+    if stage.base_image != settings.base_image:
+        found = stand_in(stage.base_image)
+        if source == "docker" or found is None or found.tool:
+            return None
+    base = Path(settings.rootfs) if stage.base_image == settings.base_image else stand_in_root(stage.base_image)
+    config = base_config(base)  # a stand-in's own WORKDIR and ENV (Terminal-Bench's images set /app)
     copies: list[tuple[Path, str]] = []
     for step in stage.steps:
-        if step.keyword in IGNORED or step.keyword == "ENV":
+        if step.keyword in IGNORED:
             continue
-        if step.keyword == "WORKDIR":
+        if step.keyword == "ENV":
+            config.env.update(parse_env(step))
+        elif step.keyword in START:
+            apply_start(step, config.start, config.shell)
+        elif step.keyword == "WORKDIR":
             config.workdir = posixpath.normpath(posixpath.join(config.workdir, step.args.strip()))
         elif step.keyword in ("COPY", "ADD") and not step.flags:
             *sources, dest = step.words()
@@ -237,163 +281,106 @@ def _light(dockerfile: Dockerfile, task: Any, settings: Any, source: str) -> Pre
             copies += [(task.environment_dir / s, dest) for s in sources]
         else:
             return None
-    env = {k: v for step in stage.steps if step.keyword == "ENV" for k, v in parse_env(step).items()}
-    root = Path(settings.rootfs) if stage.base_image == settings.base_image else _stand_in_root(stage, settings)
-    return PreparedEnvironment(root, config.workdir, env, copies=tuple(copies))
+    return PreparedEnvironment(base, config.workdir, config.env, copies=tuple(copies), start=config.start)
 
 
 # -- built without Docker ---------------------------------------------------------
 
 
 def _built(dockerfile: Dockerfile, task: Any, settings: Any) -> PreparedEnvironment:
-    if len(dockerfile.stages) > 1:
-        raise DockerfileError(
-            f"{dockerfile.stages[1].where}: a second FROM: multi-stage builds are not honoured by the bwrap builder; "
-            "run a Docker engine (scripts/start_dockerd.sh), whose image bwrap then exports"
-        )
-    stage = dockerfile.stages[0]
-    base = Path(settings.rootfs) if stage.base_image == settings.base_image else _stand_in_root(stage, settings)
-    base_key = "rootfs" if base == Path(settings.rootfs) else base.name
+    """The last stage's root, built with every stage it needs (each its own cached root, in order)."""
     context = dockerfile.path.parent
-    digest = hashlib.sha256(f"{BUILDER_VERSION}\0{base_key}\0{context_hash(context)}".encode()).hexdigest()[:16]
-    timeout_s = float(getattr(task, "build_timeout_s", 0) or DEFAULT_BUILD_TIMEOUT_S)
-    return _cached_root(
-        cache_root() / "environments" / digest,
-        base,
-        lambda root, log: build_stage(stage, context, root, _base_config(base), log, time.monotonic() + timeout_s),
-    )
+    deadline = time.monotonic() + float(getattr(task, "build_timeout_s", 0) or DEFAULT_BUILD_TIMEOUT_S)
+    built: dict[int, Path] = {}
+    needed = _needed_stages(dockerfile)
+    for index in needed:
+        stage = dockerfile.stages[index]
+        base = _stage_base(dockerfile, index, built, settings)
+        base_key = "rootfs" if base == Path(settings.rootfs) else base.name
+        digest = hashlib.sha256(
+            f"{BUILDER_VERSION}\0{base_key}\0{context_hash(context)}\0{index}".encode()
+        ).hexdigest()[:16]
+        name = digest if index == needed[-1] else f"{digest}-stage{index}"
+
+        def build(root: Path, log, stage=stage, base=base) -> ImageConfig:
+            copy_from = lambda ref, where: _copy_from_root(dockerfile, ref, index, built, where)  # noqa: E731
+            return build_stage(stage, context, root, base_config(base), log, deadline, copy_from)
+
+        prepared = cached_root(cache_root() / "environments" / name, base, build)
+        built[index] = prepared.root
+    return prepared
 
 
-def stand_in_root(image: str) -> Path:
-    """The cached Debian root that stands in for `image` (scripts/build_base_images.sh imports it into Docker)."""
-    return _stand_in_root(Stage(f"FROM {image}", image), None)
+def _needed_stages(dockerfile: Dockerfile) -> list[int]:
+    """The stages the last one needs (through FROM <stage> and COPY --from=<stage>), in Dockerfile order."""
+    names = {stage.name.lower(): i for i, stage in enumerate(dockerfile.stages) if stage.name}
+    needed: set[int] = set()
+
+    def visit(index: int) -> None:
+        if index in needed:
+            return
+        needed.add(index)
+        stage = dockerfile.stages[index]
+        refs = [stage.base_image] + [s.flags["from"] for s in stage.steps if "from" in s.flags]
+        for ref in refs:
+            found = _stage_index(ref, names, index)
+            if found is not None:
+                visit(found)
+
+    visit(len(dockerfile.stages) - 1)
+    return sorted(needed)
 
 
-def _stand_in_root(stage: Stage, settings: Any) -> Path:
-    """The Debian root that serves `stage`'s FROM image: a suite root, plus the image family's flavour."""
-    found = stand_in(stage.base_image)
-    if found is None:
-        raise DockerfileError(
-            f"{stage.where}: FROM {stage.base_image}: no Debian stand-in for this image ({table_text()}), and no "
-            "Docker engine to build it with; start one (scripts/start_dockerd.sh) with the image loaded, "
-            "or use another base"
-        )
-    suite = suite_root(found.suite, cache_root(), print)
-    if not found.flavour:
-        return suite
-    digest = hashlib.sha256(f"{BUILDER_VERSION}\0{found.suite}\0{found.flavour}".encode()).hexdigest()[:12]
-    flavour = read_flavour(found.flavour).stages[0]
-    return _cached_root(
-        cache_root() / "environments" / f"stand-in-{found.suite}-{digest}",
-        suite,
-        lambda root, log: build_stage(
-            flavour, root, root, ImageConfig(), log, time.monotonic() + DEFAULT_BUILD_TIMEOUT_S
-        ),
-    ).root
+def _stage_index(ref: str, names: dict[str, int], before: int) -> int | None:
+    """The earlier stage `ref` names (by AS name or number), or None for an image."""
+    if ref.lower() in names and names[ref.lower()] < before:
+        return names[ref.lower()]
+    if ref.isdigit() and int(ref) < before:
+        return int(ref)
+    return None
 
 
-def read_flavour(lines: str) -> Dockerfile:
-    """Dockerfile lines tbexp itself adds (a stand-in's flavour, the tools), parsed as a stage."""
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "Dockerfile"
-        path.write_text("FROM scratch\n" + lines)
-        return read_dockerfile(path)
-
-
-def _base_config(base: Path) -> ImageConfig:
-    saved = base / ".tbexp-env.json"
-    if saved.is_file():
-        data = json.loads(saved.read_text())
-        return ImageConfig(data["workdir"], data["env"], data["user"], data["shell"])
-    return ImageConfig()
+def _stage_base(dockerfile: Dockerfile, index: int, built: dict[int, Path], settings: Any) -> Path:
+    stage = dockerfile.stages[index]
+    names = {s.name.lower(): i for i, s in enumerate(dockerfile.stages) if s.name}
+    earlier = _stage_index(stage.base_image, names, index)
+    if earlier is not None:
+        return built[earlier]
+    if stage.base_image == settings.base_image:
+        return Path(settings.rootfs)
+    return stand_in_root(stage.base_image, f"{stage.where}: FROM")
 
 
-def _cached_root(root: Path, base: Path | None, build) -> PreparedEnvironment:
-    """`root`, made once from a copy of `base` by `build(partial_root, log) -> ImageConfig`; file-locked."""
-    root.parent.mkdir(parents=True, exist_ok=True)
-    with open(root.with_name(root.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another process building the same root: wait for it
-        if not (root / ".tbexp-complete").exists():
-            _build_root(root, base, build)
-    return _load(root)
-
-
-def _build_root(root: Path, base: Path | None, build) -> None:
-    partial = root.with_name(root.name + ".partial")
-    log_path = root.with_name(root.name + ".log")
-    shutil.rmtree(partial, ignore_errors=True)
-    if base is not None:
-        _copy_tree(base, partial)
-        (partial / ".tbexp-complete").unlink(missing_ok=True)
-        (partial / ".tbexp-env.json").unlink(missing_ok=True)
-    else:
-        partial.mkdir(parents=True)
-    with open(log_path, "w") as log_file:
-
-        def log(text: str) -> None:
-            log_file.write(text if text.endswith("\n") else text + "\n")
-            log_file.flush()
-
-        try:
-            config = build(partial, log)
-            if not all((partial / tool).exists() or (partial / tool).is_symlink() for tool in TOOLS):
-                log("adding tmux, python3 and bash, which every tbexp environment has")
-                tools = read_flavour(ENSURE_TOOLS)
-                build_stage(
-                    tools.stages[0],
-                    partial,
-                    partial,
-                    ImageConfig(config.workdir, config.env),
-                    log,
-                    time.monotonic() + DEFAULT_BUILD_TIMEOUT_S,
-                )
-        except BaseException:
-            shutil.rmtree(partial, ignore_errors=True)
-            raise
-    builds["bwrap"] += 1
-    for path in WRITABLE_ROOTS:  # mount points the sandbox binds over; a read-only root cannot grow them
-        (partial / path.lstrip("/")).mkdir(exist_ok=True)
-    shutil.rmtree(partial / "root/.cache/pip", ignore_errors=True)  # pip's download cache: build-time only
-    (partial / ".tbexp-env.json").write_text(json.dumps(config.as_json()))
-    (partial / ".tbexp-complete").touch()
-    shutil.rmtree(root, ignore_errors=True)
-    partial.rename(root)
-
-
-def _load(root: Path) -> PreparedEnvironment:
-    config = _base_config(root)
-    uid, gid, home = user_ids(root, config.user, str(root))
-    return PreparedEnvironment(root, config.workdir, config.env, uid, gid, home, seeded=True)
-
-
-def _copy_tree(source: Path, dest: Path) -> None:
-    """A full copy of a root (owners, modes, links, devices): cp -a, reflinked where the file system can."""
-    result = subprocess.run(["cp", "-a", "--reflink=auto", str(source), str(dest)], capture_output=True, text=True)
-    if result.returncode != 0:
-        raise EnvironmentBuildError(f"cannot copy {source} to {dest}: {result.stderr.strip()[-500:]}")
+def _copy_from_root(dockerfile: Dockerfile, ref: str, index: int, built: dict[int, Path], where: str) -> Path:
+    """What `COPY --from=ref` copies from: an earlier stage's root, or the image's stand-in (uv's tool image, ...)."""
+    names = {s.name.lower(): i for i, s in enumerate(dockerfile.stages) if s.name}
+    earlier = _stage_index(ref, names, index)
+    if earlier is not None:
+        return built[earlier]
+    return stand_in_root(ref, f"{where}: COPY --from")
 
 
 # -- exported from Docker ---------------------------------------------------------
 
 
 def _from_docker(task: Any, settings: Any) -> PreparedEnvironment:
-    from tbexp.sandboxes.docker_images import _client, _ensure_image, export_image, image_config
+    from tbexp.sandboxes.docker_images import _client, _ensure_image, export_image, image_config, image_source
 
     api = _client()
     image = _ensure_image(api, task, settings)
     image_id = api.inspect_image(image)["Id"].split(":")[-1][:16]
-    root = cache_root() / "environments" / f"docker-{image_id}"
+    root = cache_root() / "environments" / f"docker-{image_id}-b{BUILDER_VERSION}"  # what this builder keeps of it
 
     def export(partial: Path, log) -> ImageConfig:
         export_image(api, image, partial)
         return image_config(api, image)
 
-    return _cached_root(root, None, export)
+    return replace(cached_root(root, None, export), source=image_source(image))
 
 
-if __name__ == "__main__":  # python -m tbexp.sandboxes.environments IMAGE: build its stand-in root, print its path
-    import sys
+if __name__ == "__main__":  # python -m tbexp.sandboxes.environments [--name] IMAGE: its stand-in root's path (built)
+    import sys  # or, with --name, the name that root has (nothing built)
 
-    print(stand_in_root(sys.argv[1]))
+    from tbexp.sandboxes.root_cache import stand_in_name
+
+    print(stand_in_name(sys.argv[2]) if sys.argv[1] == "--name" else stand_in_root(sys.argv[1]))

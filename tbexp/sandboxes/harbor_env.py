@@ -88,7 +88,8 @@ class SandboxEnvironment(BaseEnvironment):
             docker_image=self.task_env_config.docker_image or "",
             network_mode="no-network",  # offline whatever the task asks, as tbexp's own episodes run it
         )
-        self.sandbox: Sandbox = get_class(self.settings._target_)(self.settings, self.task)
+        # for_task: a task whose image starts a service gets the sandbox kind that keeps it (bwrap's session sandbox)
+        self.sandbox: Sandbox = get_class(self.settings._target_).for_task(self.settings, self.task)
 
     @classmethod
     def type(cls) -> str:  # Harbor declares it static; a classmethod is called the same way
@@ -103,7 +104,7 @@ class SandboxEnvironment(BaseEnvironment):
         if not dockerfile.is_file() and not self.task_env_config.docker_image:
             raise FileNotFoundError(
                 f"{dockerfile}: missing, and no [environment] docker_image; tbexp sandboxes build a task from its "
-                "Dockerfile or run its prebuilt image (no compose)"
+                "Dockerfile or run its prebuilt image (a docker-compose.yaml's other services beside it, in Docker)"
             )
 
     def _apply_task_resources(self) -> None:

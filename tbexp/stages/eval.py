@@ -193,6 +193,7 @@ def _save_transcripts(folder: Path, episodes: list[Episode], rewards: dict[int, 
             "invalid": ep.invalid,
             "damage": ep.damage,
             "network": ep.network,  # the network the task asked for and did not get; "" = none
+            "environment": ep.environment,  # where the environment came from: "docker_image X", "environment/Dockerfile"
             "reward": rewards.get(id(ep)),
             "tests": ep.report.tests if ep.report else {},
             "task_rewards": ep.report.rewards if ep.report else {},  # every named reward the task wrote

@@ -1,0 +1,2 @@
+#!/bin/bash
+wordfreq /app/text.txt > /app/top.txt

@@ -1,0 +1,2 @@
+#!/bin/bash
+sort /app/words.txt > /app/sorted.txt
