@@ -11,7 +11,6 @@ free of config plumbing. `tbexp.job.Job` calls these once per job.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -221,11 +220,3 @@ def run_policy(
     # the same sampling batches on every run, so the results depend on the seeds alone
     lockstep = queue if hasattr(queue, "lockstep") and job.cfg.sampling.lockstep else None
     return run_episodes(jobs, concurrency, run_one, desc=desc, lockstep=lockstep)
-
-
-def checkpoint_bytes(checkpoint: str) -> Iterator[bytes]:
-    """A local checkpoint's files, each name and contents, in a fixed order, for cache keys (a tinker:// URI: none)."""
-    if checkpoint and Path(checkpoint).is_dir():
-        for file in sorted(Path(checkpoint).rglob("*")):
-            if file.is_file():
-                yield file.name.encode() + file.read_bytes()

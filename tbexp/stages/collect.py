@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tbexp import caches
 from tbexp.build import run_policy
-from tbexp.content_key import content_key, resolved, sandbox_part, task_contents
 from tbexp.episodes.trajectories import write_conversations
 from tbexp.jobs.tracking import write_summary
 
@@ -77,13 +77,10 @@ def collect(job: Any, tasks: list, policy: str, path: Path, runtime: Any = None)
 
 
 def oracle_trajectories(job: Any) -> Path:
-    """The oracle's verified turns on the SFT tasks, collected once per content key (under the cache): the tasks
-    (names and directories), the agent, the sandbox (its limits decide which oracle runs succeed) and the code."""
-    cfg = job.cfg
+    """The oracle's verified turns on the SFT tasks, collected once per content key (tbexp.caches.trajectories_key:
+    the tasks' names and directories, the agent, the sandbox, whose limits decide which oracle runs succeed, the code)."""
     tasks = job.tasks("sft")
-    decided_by = {"agent": resolved(cfg.agent), "sandbox": sandbox_part(cfg.sandbox), "n_runs": cfg.collect.n_runs}
-    key = content_key(decided_by, task_contents(tasks), length=16)
-    path = job.cache_dir / "trajectories" / f"oracle-{cfg.agent.name}-{len(tasks)}tasks-{key}.jsonl"
+    path = caches.trajectories_file(job, tasks)
     if not path.exists():
         collect(job, tasks, "oracle", path)
     return path

@@ -7,10 +7,10 @@ interval → keep the tasks whose rate lies in [lower, upper] → write
 `kept_tasks.json` and the per-task table → a `Selection`.
 
 Results are cached under `<cache>/filter/` by a content key
-(`tbexp.content_key`) of everything that decides them: the checkpoint (its path
-and file contents, or its tinker:// URI), the tasks (names and directories), k,
-the model, backend, agent, sandbox (its limits decide what a command can do) and
-sampling settings, the seed and the code. A second run or a sweep trial with the
+(`tbexp.caches.filter_key`) of everything that decides them: the checkpoint (its
+files, or its tinker:// URI), the tasks (names and directories), k, the model,
+backend, agent, sandbox (its limits decide what a command can do) and sampling
+settings, the seed and the code. A second run or a sweep trial with the
 same inputs reads the rates instead of resampling.
 `task_filter=none` keeps every candidate without sampling.
 """
@@ -27,8 +27,8 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from tbexp.build import checkpoint_bytes, run_policy
-from tbexp.content_key import content_key, resolved, sandbox_part, task_contents
+from tbexp import caches
+from tbexp.build import run_policy
 from tbexp.jobs.tracking import write_summary
 from tbexp.seeds import stream
 
@@ -104,7 +104,7 @@ def select(job: Any, out: Path, policy: str, checkpoint: str, sampling: Any) -> 
 
 def _solve_rates(job: Any, tasks: list, policy: str, checkpoint: str, sampling: Any) -> dict[str, tuple[float, int]]:
     """{task: (strict solve rate, valid samples)}, from the cache when the same inputs were sampled before."""
-    cache = job.cache_dir / "filter" / f"{cache_key(job.cfg, tasks, policy, checkpoint, sampling)}.json"
+    cache = caches.filter_file(job, tasks, policy, checkpoint, sampling)
     if cache.exists():
         log.info("filter: solve rates from the cache %s", cache)
         return {name: tuple(v) for name, v in json.loads(cache.read_text()).items()}
@@ -121,23 +121,6 @@ def _solve_rates(job: Any, tasks: list, policy: str, checkpoint: str, sampling: 
     cache.parent.mkdir(parents=True, exist_ok=True)
     cache.write_text(json.dumps(rates))
     return rates
-
-
-def cache_key(cfg: Any, tasks: list, policy: str, checkpoint: str, sampling: Any) -> str:
-    """The content key of the solve rates of `tasks` under `policy` (tbexp.content_key)."""
-    decided_by = {
-        "checkpoint": checkpoint,
-        "policy": policy,
-        "k": cfg.task_filter.k,
-        "sampling": resolved(sampling),
-        "seed": cfg.seed,
-        "sandbox": sandbox_part(cfg.sandbox),
-        **{part: resolved(cfg[part]) for part in ("model", "backend", "agent")},
-    }
-    # Left out: torch's thread counts, and how many episodes run at once (each reply's seed is its own).
-    for key in ("threads", "train_threads"):
-        decided_by["backend"].pop(key, None)
-    return content_key(decided_by, [*task_contents(tasks), *checkpoint_bytes(checkpoint)], length=24)
 
 
 def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:

@@ -27,7 +27,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
-from tbexp.content_key import content_key, resolved, sandbox_part, task_contents
+from tbexp import caches
 from tbexp.episodes.promotion import promotion, read_records
 from tbexp.jobs.tracking import write_summary
 
@@ -56,7 +56,7 @@ def run(job: Any) -> dict[str, float]:
         folder = _sft_folder(job, out, data)
         trained = done.get(
             "sft_training",
-            lambda: _one_at_a_time(
+            lambda: caches.one_at_a_time(
                 folder, lambda: sft.train(job, data or collect.oracle_trajectories(job), folder).summary()
             ),
         )
@@ -132,50 +132,25 @@ def _gate(settings: Any, rows: dict[str, dict[str, float]], records: dict[str, A
 
 
 def _sft_folder(job: Any, out: Path, data: Path | None) -> Path:
-    """Where SFT trains: with `pipeline.cache_sft`, a folder named by everything that decides its result.
+    """Where SFT trains: with `pipeline.cache_sft`, a folder under the cache named by everything that decides its
+    result (tbexp.caches.sft_key), which `<run>/sft` links to; sweep trials and re-runs that share it train once."""
+    from tbexp.stages import collect
 
-    Sweep trials (or re-runs) that share model, backend, SFT settings, data, tasks,
-    seed and code then reuse one training instead of repeating it; `<run>/sft` links there.
-    """
-    cfg = job.cfg
-    if not cfg.pipeline.cache_sft:
-        return out / "sft"
-    decided_by = {k: resolved(cfg[k]) for k in ("model", "sft", "agent", "tasks", "backend")}
-    decided_by["tasks"].pop("split", None)  # the eval split does not change what SFT trains on
-    for key in ("threads", "train_threads"):  # torch's thread counts: bit-identical losses
-        decided_by["backend"].pop(key, None)
-    decided_by["sft"]["data"] = str(data) if data else ""
-    decided_by["seed"] = cfg.seed
-    contents = [data.read_bytes()] if data and data.is_file() else []
-    return _shared_folder(job, out / "sft", "sft", content_key(decided_by, contents))
+    return caches.sft_folder(job, data or collect.oracle_trajectories(job), out / "sft")
 
 
 def _eval_once(job: Any, out: Path, name: str, checkpoint: str, label: str) -> dict[str, float]:
     """The held-out eval of `checkpoint` ("" = the base model) in `out/name`.
 
-    With `pipeline.cache_evals` it runs once per content: in a folder named by
-    everything that decides it (the checkpoint's files, model, tasks and their
-    directories, agent, sandbox, sampling and eval settings, reward, backend, seed,
-    code), which `out/name` links to, so sweep trials that share an SFT setting
-    score base and SFT once.
+    With `pipeline.cache_evals` it runs once per content: in a folder named by everything that decides it
+    (tbexp.caches.eval_key), which `out/name` links to, so sweep trials that share an SFT setting score base and SFT
+    once.
     """
-    from tbexp.build import checkpoint_bytes
     from tbexp.stages.eval import evaluate_checkpoint
 
-    cfg = job.cfg
-    if not cfg.pipeline.cache_evals:
+    if not job.cfg.pipeline.cache_evals:
         return evaluate_checkpoint(job, out / name, checkpoint, label=label, quiet=True)
-    decided_by = {k: resolved(cfg[k]) for k in ("model", "tasks", "agent", "sampling", "eval", "reward", "backend")}
-    decided_by["sandbox"] = sandbox_part(cfg.sandbox)
-    # Left out: how many episodes run at once (each reply's seed is its own), torch's thread counts and the promotion
-    # gate's settings change no eval's result.
-    for key in ("concurrency", "candidates", "promote_by", "promote_margin", "promote_z", "incumbent"):
-        decided_by["eval"].pop(key, None)
-    for key in ("threads", "train_threads", "share_cores"):
-        decided_by["backend"].pop(key, None)
-    decided_by.update(seed=cfg.seed, checkpoint=checkpoint, label=label)
-    contents = [*task_contents(job.tasks("heldout")), *checkpoint_bytes(checkpoint)]
-    folder = _shared_folder(job, out / name, "evals", content_key(decided_by, contents))
+    folder = caches.eval_folder(job, checkpoint, label, out / name)
 
     def work() -> dict[str, float]:
         result = folder / "result.json"
@@ -186,25 +161,7 @@ def _eval_once(job: Any, out: Path, name: str, checkpoint: str, label: str) -> d
         result.write_text(json.dumps(metrics))
         return metrics
 
-    return _one_at_a_time(folder, work)
-
-
-def _shared_folder(job: Any, link: Path, kind: str, key: str) -> Path:
-    """`<cache>/<kind>/<key>`, created, with `link` pointing there."""
-    folder = job.cache_dir / kind / key
-    folder.mkdir(parents=True, exist_ok=True)
-    if not link.exists():
-        link.symlink_to(folder, target_is_directory=True)
-    return folder
-
-
-def _one_at_a_time(folder: Path, work: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """Run `work` holding a lock on `folder`: a second trial with the same SFT waits, then resumes the finished run."""
-    import fcntl
-
-    with open(folder / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        return work()
+    return caches.one_at_a_time(folder, work)
 
 
 class _Done:
