@@ -210,3 +210,47 @@ def _save_transcripts(folder: Path, episodes: list[Episode], rewards: dict[int, 
         }
         name = f"{ep.task.name.replace('/', '__')}-run{ep.run}.json"
         (folder / name).write_text(json.dumps(record, indent=1))
+
+
+def report(
+    job: Any, out: Path, rows: dict[str, dict[str, float]], others: dict[str, Any], folders: dict[str, Path]
+) -> None:
+    """The table of the held-out `rows` (in order; the last is the challenger), printed and saved in `out` (table.md)
+    with `summary.json` (the rows, the `others` parts' numbers and, with two rows or more, the gate's verdict, paired
+    on the episodes in each row's folder of `folders`), and sent to the tracker."""
+    summary: dict[str, Any] = {**rows, **others}
+    table = compare(rows) if rows else "no eval rows (pipeline.stages has no eval part)"
+    if len(rows) > 1:
+        summary["promotion"] = gate(job.cfg.eval, rows, {name: read_records(folders[name]) for name in rows})
+        table += "\n" + summary["promotion"]["message"]
+    write_summary(out, summary)
+    (out / "table.md").write_text(
+        _markdown(rows) + ("\n" + summary["promotion"]["message"] + "\n" if "promotion" in summary else "")
+        if rows
+        else table + "\n"
+    )
+    print(table)
+    tracker = job.tracker(out)
+    tracker.log({f"{name}/{k}": v for name, metrics in rows.items() for k, v in metrics.items()})
+    tracker.finish()
+    print(f"run directory: {out}")
+
+
+def gate(settings: Any, rows: dict[str, dict[str, float]], records: dict[str, Any]) -> dict[str, Any]:
+    """The last row against the incumbent: `eval.incumbent`'s row when named, else the row before the last
+    (SFT, for the whole recipe; base when there is no SFT row), paired on the same tasks and draws."""
+    last = list(rows)[-1]
+    incumbent = "incumbent" if "incumbent" in rows else list(rows)[-2]
+    pair = {incumbent: rows[incumbent], last: rows[last]}
+    return promotion(pair, settings.promote_by, settings.promote_margin, settings.promote_z, records)
+
+
+def _markdown(rows: dict[str, dict[str, float]]) -> str:
+    keys = [(label, key) for key, label in ROW_METRICS.items()]
+    lines = ["| held-out | " + " | ".join(label for label, _ in keys) + " |", "|---" * (len(keys) + 1) + "|"]
+    for name, m in rows.items():
+        cells = [
+            f"{m[k]:.3f}" if k != "eval/pass@1" else f"{m[k]:.3f} ± {m['eval/pass@1_stderr']:.3f}" for _, k in keys
+        ]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

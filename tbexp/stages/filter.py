@@ -29,6 +29,7 @@ from omegaconf import OmegaConf
 
 from tbexp import caches
 from tbexp.build import run_policy
+from tbexp.episodes.trajectories import DataError
 from tbexp.jobs.tracking import write_summary
 from tbexp.seeds import stream
 
@@ -121,6 +122,37 @@ def _solve_rates(job: Any, tasks: list, policy: str, checkpoint: str, sampling: 
     cache.parent.mkdir(parents=True, exist_ok=True)
     cache.write_text(json.dumps(rates))
     return rates
+
+
+def rl_tasks(job: Any, start: str, out: Path) -> list:
+    """The kept tasks of `grpo.tasks_file`; without one, the filter rates `start` first, in `out/filter`
+    (task_filter=none keeps every candidate)."""
+    if job.cfg.grpo.tasks_file:
+        return kept_tasks(job, Path(job.cfg.grpo.tasks_file))
+    if job.cfg.task_filter.name == "none":
+        return job.tasks("rl")
+    return kept_tasks(job, select_for_rl(job, out / "filter", start).path)
+
+
+class NoTasksKept(DataError):
+    """The filter kept no RL task: nothing for GRPO to train on."""
+
+
+def kept_tasks(job: Any, path: Path) -> list:
+    """The RL candidates that a selection file (the filter's kept_tasks.json) keeps; none kept is an error."""
+    if not path.exists():
+        raise DataError(f"grpo.tasks_file={path}: no such file (the filter stage writes kept_tasks.json)")
+    candidates = job.tasks("rl")
+    selection = json.loads(path.read_text())
+    kept = set(selection["kept"])
+    tasks = [t for t in candidates if t.name in kept]
+    if not tasks:
+        f = job.cfg.task_filter
+        rated = len(selection.get("rates") or candidates)  # the filter rates task_filter.max_tasks of the candidates
+        raise NoTasksKept(
+            f"{path}: no RL tasks kept (solve rate in [{f.lower}, {f.upper}] of {rated} candidates rated); widen task_filter.lower/upper, raise task_filter.k, or train SFT further"
+        )
+    return tasks
 
 
 def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:

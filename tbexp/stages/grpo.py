@@ -51,13 +51,13 @@ from tbexp.build import run_policy
 from tbexp.episodes.advantages import grpo_datums, loss_fn_config
 from tbexp.episodes.difficulty import DifficultyPool
 from tbexp.episodes.scoring import score_episodes, summarize
-from tbexp.episodes.trajectories import DataError
 from tbexp.job import TrainedCheckpoint
 from tbexp.jobs.preemption import interruptible
 from tbexp.jobs.schedule import learning_rate
 from tbexp.jobs.tracking import Tracker, write_summary
 from tbexp.seeds import stream
 from tbexp.stages.eval import ROW_METRICS as EVAL_KEYS
+from tbexp.stages.filter import NoTasksKept, kept_tasks, rl_tasks  # noqa: F401  (stage=grpo's tasks; older callers)
 from tbexp.stages.grpo_rollouts import Plan, RolloutPipeline, Rollouts, make_plan, sample_groups
 from tbexp.study import trial
 
@@ -77,39 +77,6 @@ def run(job: Any) -> dict[str, Any]:
     write_summary(out, summary)
     print(f"run directory: {out}")
     return summary
-
-
-def rl_tasks(job: Any, start: str, out: Path) -> list:
-    """The kept tasks of `grpo.tasks_file`; without one, the filter rates `start` first, in `out/filter`
-    (task_filter=none keeps every candidate)."""
-    if job.cfg.grpo.tasks_file:
-        return kept_tasks(job, Path(job.cfg.grpo.tasks_file))
-    if job.cfg.task_filter.name == "none":
-        return job.tasks("rl")
-    from tbexp.stages import filter as filter_stage
-
-    return kept_tasks(job, filter_stage.select_for_rl(job, out / "filter", start).path)
-
-
-class NoTasksKept(DataError):
-    """The filter kept no RL task: nothing for GRPO to train on."""
-
-
-def kept_tasks(job: Any, path: Path) -> list:
-    """The RL candidates that a selection file (the filter's kept_tasks.json) keeps; none kept is an error."""
-    if not path.exists():
-        raise DataError(f"grpo.tasks_file={path}: no such file (the filter stage writes kept_tasks.json)")
-    candidates = job.tasks("rl")
-    selection = json.loads(path.read_text())
-    kept = set(selection["kept"])
-    tasks = [t for t in candidates if t.name in kept]
-    if not tasks:
-        f = job.cfg.task_filter
-        rated = len(selection.get("rates") or candidates)  # the filter rates task_filter.max_tasks of the candidates
-        raise NoTasksKept(
-            f"{path}: no RL tasks kept (solve rate in [{f.lower}, {f.upper}] of {rated} candidates rated); widen task_filter.lower/upper, raise task_filter.k, or train SFT further"
-        )
-    return tasks
 
 
 def train(job: Any, start: str, tasks: list, out: Path) -> RLResult:

@@ -28,8 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tbexp import caches
-from tbexp.episodes.promotion import promotion, read_records
-from tbexp.jobs.tracking import write_summary
+from tbexp.episodes.promotion import read_records
 
 log = logging.getLogger(__name__)
 EVAL_FOLDERS = {"base": "eval_base", "sft": "eval_sft", "incumbent": "eval_incumbent", "rl": "eval_final"}
@@ -96,39 +95,15 @@ def run(job: Any) -> dict[str, float]:
 
 
 def _report(job: Any, out: Path, done: _Done, parts: Any) -> dict[str, dict[str, float]]:
-    """The table of the rows done so far, printed and saved with `summary.json`, and sent to the tracker."""
-    from tbexp.stages.eval import compare
+    """The table of the rows done so far (tbexp.stages.eval.report), with each other part's numbers."""
+    from tbexp.stages.eval import report
 
-    cfg = job.cfg
     names = {"base": "base", "sft_eval": "sft", "incumbent_eval": "incumbent"}
     names["final_eval"] = "rl" if "grpo" in parts else "final"
     rows = {name: done.results[key] for key, name in names.items() if key in done.results}
-    summary = {**rows, **{k: v for k, v in done.results.items() if k not in names}}
-    table = compare(rows) if rows else "no eval rows (pipeline.stages has no eval part)"
-    if len(rows) > 1:
-        summary["promotion"] = _gate(cfg.eval, rows, {name: read_records(out / EVAL_FOLDERS[name]) for name in rows})
-        table += "\n" + summary["promotion"]["message"]
-    write_summary(out, summary)
-    (out / "table.md").write_text(
-        _markdown(rows) + ("\n" + summary["promotion"]["message"] + "\n" if "promotion" in summary else "")
-        if rows
-        else table + "\n"
-    )
-    print(table)
-    tracker = job.tracker(out)
-    tracker.log({f"{name}/{k}": v for name, metrics in rows.items() for k, v in metrics.items()})
-    tracker.finish()
-    print(f"run directory: {out}")
+    others = {k: v for k, v in done.results.items() if k not in names}
+    report(job, out, rows, others, {name: out / EVAL_FOLDERS[name] for name in rows})
     return rows
-
-
-def _gate(settings: Any, rows: dict[str, dict[str, float]], records: dict[str, Any]) -> dict[str, Any]:
-    """The last row against the incumbent: `eval.incumbent`'s row when named, else the row before the last
-    (SFT, for the whole recipe; base when there is no SFT row), paired on the same tasks and draws."""
-    last = list(rows)[-1]
-    incumbent = "incumbent" if "incumbent" in rows else list(rows)[-2]
-    pair = {incumbent: rows[incumbent], last: rows[last]}
-    return promotion(pair, settings.promote_by, settings.promote_margin, settings.promote_z, records)
 
 
 def _sft_folder(job: Any, out: Path, data: Path | None) -> Path:
@@ -181,16 +156,3 @@ class _Done:
         else:
             log.info("pipeline: %s already done in this run directory", part)
         return self.results[part]
-
-
-def _markdown(rows: dict[str, dict[str, float]]) -> str:
-    from tbexp.stages.eval import ROW_METRICS
-
-    keys = [(label, key) for key, label in ROW_METRICS.items()]
-    lines = ["| held-out | " + " | ".join(label for label, _ in keys) + " |", "|---" * (len(keys) + 1) + "|"]
-    for name, m in rows.items():
-        cells = [
-            f"{m[k]:.3f}" if k != "eval/pass@1" else f"{m[k]:.3f} ± {m['eval/pass@1_stderr']:.3f}" for _, k in keys
-        ]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
