@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 from tbexp.jobs.tracking import Tracker, run_dir
 
@@ -112,7 +112,7 @@ class TrainedCheckpoint:
         return {**self.metrics, self.KEY: self.checkpoint, **{self._key(k): v for k, v in self.exported.items()}}
 
     @classmethod
-    def from_summary(cls, summary: dict[str, Any]) -> TrainedCheckpoint:
+    def from_summary(cls, summary: dict[str, Any]) -> Self:
         exported = {kind: summary[cls._key(kind)] for kind in cls.EXPORT_KINDS if cls._key(kind) in summary}
         export_keys = {cls._key(kind) for kind in cls.EXPORT_KINDS}
         metrics = {k: v for k, v in summary.items() if k != cls.KEY and k not in export_keys}

@@ -29,6 +29,13 @@ class Trajectories:
     path: Path
     metrics: dict[str, float]
 
+    def summary(self) -> dict[str, Any]:
+        return {**self.metrics, "collect/data": str(self.path)}
+
+    @classmethod
+    def from_summary(cls, summary: dict[str, Any]) -> Trajectories:
+        return cls(Path(summary["collect/data"]), {k: v for k, v in summary.items() if k != "collect/data"})
+
 
 def run(job: Any) -> dict[str, float]:
     cfg = job.cfg

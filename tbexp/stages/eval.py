@@ -14,6 +14,7 @@ import csv
 import json
 import logging
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,20 @@ ROW_METRICS = {
     "eval/valid_command_rate": "valid-command rate",
     "eval/avg_turns": "avg turns",
 }
+
+
+@dataclass(frozen=True)
+class Scores:
+    """A policy's numbers on the held-out tasks (`eval/…`, `tasks/unloadable`): one row of a table."""
+
+    metrics: dict[str, float]
+
+    def summary(self) -> dict[str, float]:
+        return dict(self.metrics)
+
+    @classmethod
+    def from_summary(cls, summary: dict[str, Any]) -> Scores:
+        return cls(dict(summary))
 
 
 def run(job: Any) -> dict[str, float]:

@@ -23,7 +23,7 @@ import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import OmegaConf
 
@@ -33,26 +33,54 @@ from tbexp.episodes.trajectories import DataError
 from tbexp.jobs.tracking import write_summary
 from tbexp.seeds import stream
 
+if TYPE_CHECKING:
+    from tbexp.tasks.harbor_task import Task
+
 log = logging.getLogger(__name__)
+
+
+class NoTasksKept(DataError):
+    """The filter kept no RL task: nothing for GRPO to train on."""
 
 
 @dataclass(frozen=True)
 class Selection:
-    """The RL tasks kept, written to `path` (kept_tasks.json), and the filter's counts (`filter/…`)."""
+    """The RL tasks kept (`tasks`, among the job's `rl` set; their names `kept`), written to `path`
+    (kept_tasks.json), and the filter's counts (`filter/…`)."""
 
     path: Path
     kept: list[str]
     metrics: dict[str, float]
+    tasks: list[Task]
 
     def summary(self) -> dict[str, Any]:
         return {**self.metrics, "filter/kept_tasks": str(self.path)}
 
     @classmethod
-    def from_summary(cls, summary: dict[str, Any]) -> Selection:
-        path = Path(summary["filter/kept_tasks"])
-        return cls(
-            path, json.loads(path.read_text())["kept"], {k: v for k, v in summary.items() if k != "filter/kept_tasks"}
-        )
+    def from_summary(cls, summary: dict[str, Any], candidates: list[Task]) -> Selection:
+        """The selection `summary()` described, its tasks among `candidates` (the job's `rl` set)."""
+        metrics = {k: v for k, v in summary.items() if k != "filter/kept_tasks"}
+        return cls.read(Path(summary["filter/kept_tasks"]), candidates, metrics)
+
+    @classmethod
+    def read(cls, path: Path, candidates: list[Task], metrics: dict[str, float] | None = None) -> Selection:
+        """The selection a kept_tasks.json file holds, its tasks among `candidates`; `metrics`: the filter's counts
+        (without them, counted from the file: the filter rates task_filter.max_tasks of the candidates)."""
+        written = json.loads(path.read_text())
+        kept = written["kept"]
+        if metrics is None:
+            rated = len(written.get("rates") or candidates)
+            metrics = {"filter/candidates": float(rated), "filter/kept": float(len(kept))}
+        return cls(path, kept, metrics, [t for t in candidates if t.name in set(kept)])
+
+    def rl_tasks(self, bounds: Any) -> list[Task]:
+        """The kept tasks, for RL; none kept is an error that says what to change (`bounds`: task_filter)."""
+        if not self.tasks:
+            rated = int(self.metrics["filter/candidates"])
+            raise NoTasksKept(
+                f"{self.path}: no RL tasks kept (solve rate in [{bounds.lower}, {bounds.upper}] of {rated} candidates rated); widen task_filter.lower/upper, raise task_filter.k, or train SFT further"
+            )
+        return self.tasks
 
 
 def run(job: Any) -> dict[str, Any]:
@@ -100,7 +128,7 @@ def select(job: Any, out: Path, policy: str, checkpoint: str, sampling: Any) -> 
     tracker = job.tracker(out)
     tracker.log(metrics)
     tracker.finish()
-    return Selection(out / "kept_tasks.json", kept, metrics)
+    return Selection(out / "kept_tasks.json", kept, metrics, [t for t in job.tasks("rl") if t.name in set(kept)])
 
 
 def _solve_rates(job: Any, tasks: list, policy: str, checkpoint: str, sampling: Any) -> dict[str, tuple[float, int]]:
@@ -124,35 +152,21 @@ def _solve_rates(job: Any, tasks: list, policy: str, checkpoint: str, sampling: 
     return rates
 
 
-def rl_tasks(job: Any, start: str, out: Path) -> list:
+def rl_tasks(job: Any, start: str, out: Path) -> list[Task]:
     """The kept tasks of `grpo.tasks_file`; without one, the filter rates `start` first, in `out/filter`
     (task_filter=none keeps every candidate)."""
     if job.cfg.grpo.tasks_file:
         return kept_tasks(job, Path(job.cfg.grpo.tasks_file))
     if job.cfg.task_filter.name == "none":
         return job.tasks("rl")
-    return kept_tasks(job, select_for_rl(job, out / "filter", start).path)
+    return select_for_rl(job, out / "filter", start).rl_tasks(job.cfg.task_filter)
 
 
-class NoTasksKept(DataError):
-    """The filter kept no RL task: nothing for GRPO to train on."""
-
-
-def kept_tasks(job: Any, path: Path) -> list:
+def kept_tasks(job: Any, path: Path) -> list[Task]:
     """The RL candidates that a selection file (the filter's kept_tasks.json) keeps; none kept is an error."""
     if not path.exists():
         raise DataError(f"grpo.tasks_file={path}: no such file (the filter stage writes kept_tasks.json)")
-    candidates = job.tasks("rl")
-    selection = json.loads(path.read_text())
-    kept = set(selection["kept"])
-    tasks = [t for t in candidates if t.name in kept]
-    if not tasks:
-        f = job.cfg.task_filter
-        rated = len(selection.get("rates") or candidates)  # the filter rates task_filter.max_tasks of the candidates
-        raise NoTasksKept(
-            f"{path}: no RL tasks kept (solve rate in [{f.lower}, {f.upper}] of {rated} candidates rated); widen task_filter.lower/upper, raise task_filter.k, or train SFT further"
-        )
-    return tasks
+    return Selection.read(path, job.tasks("rl")).rl_tasks(job.cfg.task_filter)
 
 
 def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
