@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tbexp.backends.base import Sampler, TrainingBackend
+
+if TYPE_CHECKING:
+    from tbexp.episodes.policies import ModelRuntime
 
 
 def _train_threads(b: Any, device: str) -> Any:
@@ -153,7 +156,7 @@ def sampling_params(settings: Any, stop: Any, seed: int | None = None):
     )
 
 
-def model_runtime(cfg: Any, sampler: Any, settings: Any, seed: int | None = None):
+def model_runtime(cfg: Any, sampler: Any, settings: Any, seed: int | None = None) -> ModelRuntime:
     """What policy=model episodes share: `sampler`, the model's renderer and `settings` (a sampling node).
 
     `seed` makes every reply's draw a function of (seed, task, run, turn) instead of the sampler's RNG.
@@ -168,12 +171,25 @@ def model_runtime(cfg: Any, sampler: Any, settings: Any, seed: int | None = None
     )
 
 
+class EpisodeJob(Protocol):
+    """What `run_policy` reads of a job (`tbexp.job.Job`, which imports this module): the config, the agent and the
+    settings every episode's sandbox is built from."""
+
+    cfg: Any
+
+    @property
+    def agent(self) -> Any: ...
+
+    @property
+    def sandbox_settings(self) -> Any: ...
+
+
 class RolloutsCancelled(Exception):
     """The caller stopped `run_policy` (its `stop` was set) while episodes were in flight; they are discarded."""
 
 
 def run_policy(
-    job: Any,
+    job: EpisodeJob,
     tasks: list,
     n_runs: int,
     concurrency: int,

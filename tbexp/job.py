@@ -27,12 +27,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Self
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self
 
 from tbexp.jobs.tracking import Tracker, run_dir
 
 if TYPE_CHECKING:  # the backends import torch and tinker: not needed to compose or print a config
+    from tbexp.agents.base import Agent
     from tbexp.backends.base import Sampler, TrainingBackend
+    from tbexp.episodes.policies import ModelRuntime
+    from tbexp.tasks.harbor_task import TaskSet
 
 TASK_SETS = ("sft", "rl", "heldout")
 
@@ -53,7 +56,7 @@ class Job:
         tasks = Path(self.cfg.tasks.cache_dir)
         return root if tasks == root / "tasks" else tasks.parent
 
-    def tasks(self, name: str) -> list:
+    def tasks(self, name: str) -> TaskSet:
         """The task set `name` (one of TASK_SETS), loaded on first use."""
         if name not in self._task_sets:
             from tbexp.tasks import load_task_set
@@ -67,11 +70,11 @@ class Job:
         return self._task_sets[name]
 
     @cached_property
-    def _task_sets(self) -> dict[str, list]:
+    def _task_sets(self) -> dict[str, TaskSet]:
         return {}
 
     @cached_property
-    def agent(self) -> Any:
+    def agent(self) -> Agent:
         from tbexp.agents.base import make_agent
 
         return make_agent(self.cfg.agent)
@@ -124,6 +127,16 @@ class TrainedCheckpoint:
         return f"{stage}/{kind}" if stage else kind
 
 
+class Host(Protocol):
+    """What `backend._target_` names: a model host (tbexp.build.LocalHost, tbexp.build.TinkerHost)."""
+
+    loads: int
+
+    def trainer(self, save_dir: Path, logit_scale_lr_factor: float = 0.0) -> TrainingBackend: ...
+
+    def sampler(self, checkpoint: str = "") -> Sampler: ...
+
+
 class ModelHost:
     """The base model, loaded once per job; trainers and samplers over it, made by the host that `backend._target_`
     names (tbexp.build.LocalHost, tbexp.build.TinkerHost)."""
@@ -132,14 +145,14 @@ class ModelHost:
         from tbexp.build import make_host
 
         self.cfg = cfg
-        self._host = make_host(cfg)
+        self._host: Host = make_host(cfg)
 
     @property
     def loads(self) -> int:
         """How many times base weights were loaded (one per distinct set of weights is the aim)."""
         return self._host.loads
 
-    def runtime(self, sampler: Sampler, settings: Any, seed: int | None) -> Any:
+    def runtime(self, sampler: Sampler, settings: Any, seed: int | None) -> ModelRuntime:
         """What model-policy episodes share: `sampler`, the renderer, `settings` (a sampling node), seeds from `seed`."""
         from tbexp.build import model_runtime
 

@@ -12,12 +12,16 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tbexp import caches
 from tbexp.build import run_policy
 from tbexp.episodes.trajectories import write_conversations
 from tbexp.jobs.tracking import write_summary
+
+if TYPE_CHECKING:
+    from tbexp.job import Job
+    from tbexp.tasks.harbor_task import Task
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +41,7 @@ class Trajectories:
         return cls(Path(summary["collect/data"]), {k: v for k, v in summary.items() if k != "collect/data"})
 
 
-def run(job: Any) -> dict[str, float]:
+def run(job: Job) -> dict[str, float]:
     cfg = job.cfg
     path = Path(cfg.collect.data) if cfg.collect.data else job.run_dir / "trajectories.jsonl"
     runtime = (
@@ -53,7 +57,7 @@ def run(job: Any) -> dict[str, float]:
     return metrics
 
 
-def collect(job: Any, tasks: list, policy: str, path: Path, runtime: Any = None) -> Trajectories:
+def collect(job: Job, tasks: list[Task], policy: str, path: Path, runtime: Any = None) -> Trajectories:
     """Run `policy` (with `runtime` for policy=model) on `tasks`; write the verified successes to `path`."""
     c = job.cfg.collect
     episodes = run_policy(job, tasks, c.n_runs, c.concurrency, policy, runtime, desc=f"collect {policy}")
@@ -83,7 +87,7 @@ def collect(job: Any, tasks: list, policy: str, path: Path, runtime: Any = None)
     )
 
 
-def oracle_trajectories(job: Any) -> Path:
+def oracle_trajectories(job: Job) -> Path:
     """The oracle's verified turns on the SFT tasks, collected once per content key (tbexp.caches.trajectories_key:
     the tasks' names and directories, the agent, the sandbox, whose limits decide which oracle runs succeed, the code)."""
     tasks = job.tasks("sft")

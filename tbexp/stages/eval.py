@@ -16,7 +16,7 @@ import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tbexp.build import run_policy
 from tbexp.episodes.policies import POLICIES, ModelRuntime
@@ -27,6 +27,10 @@ from tbexp.episodes.scoring import no_valid_reason, score_episodes, summarize, t
 from tbexp.jobs.plots import plot_eval
 from tbexp.jobs.tracking import write_summary
 from tbexp.seeds import stream
+
+if TYPE_CHECKING:
+    from tbexp.job import Job
+    from tbexp.tasks.harbor_task import Task
 
 log = logging.getLogger(__name__)
 POLICY_NAMES = (*POLICIES, "model")  # an eval.candidates entry that is not one of these is a checkpoint
@@ -54,7 +58,7 @@ class Scores:
         return cls(dict(summary))
 
 
-def run(job: Any) -> dict[str, float]:
+def run(job: Job) -> dict[str, float]:
     cfg, out = job.cfg, job.run_dir
     if cfg.eval.candidates:
         return _compare_candidates(job, out)
@@ -67,7 +71,7 @@ def run(job: Any) -> dict[str, float]:
     return metrics
 
 
-def evaluate_checkpoint(job: Any, out: Path, checkpoint: str, label: str, quiet: bool = False) -> dict[str, float]:
+def evaluate_checkpoint(job: Job, out: Path, checkpoint: str, label: str, quiet: bool = False) -> dict[str, float]:
     """policy=model from `checkpoint`'s weights ("" = the base model) on the held-out tasks, on the eval draws."""
     runtime = job.models.runtime(job.models.sampler(checkpoint), job.cfg.sampling, stream(job.cfg.seed, "eval"))
     return evaluate(job, out, "model", runtime, label=label, quiet=quiet)
@@ -86,7 +90,7 @@ def compare(rows: dict[str, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
-def _compare_candidates(job: Any, out: Path) -> dict[str, float]:
+def _compare_candidates(job: Job, out: Path) -> dict[str, float]:
     """Score every `eval.candidates` entry; the first is the incumbent, the best challenger is promoted if it beats it."""
     cfg = job.cfg
     rows: dict[str, dict[str, float]] = {}
@@ -110,7 +114,7 @@ def _compare_candidates(job: Any, out: Path) -> dict[str, float]:
 
 
 def evaluate(
-    job: Any,
+    job: Job,
     out: Path,
     policy: str,
     runtime: ModelRuntime | None = None,
@@ -167,7 +171,7 @@ def evaluate(
     return metrics
 
 
-def _run(job: Any, tasks: list, n_runs: int, policy: str, runtime: Any, out: Path, desc: str) -> list[Episode]:
+def _run(job: Job, tasks: list[Task], n_runs: int, policy: str, runtime: Any, out: Path, desc: str) -> list[Episode]:
     """The episodes, through tbexp's own agent loop or (eval.harness=harbor) Harbor's trials under `out/trials`."""
     cfg = job.cfg
     if cfg.eval.harness == "harbor":
@@ -228,7 +232,7 @@ def _save_transcripts(folder: Path, episodes: list[Episode], rewards: dict[int, 
 
 
 def report(
-    job: Any, out: Path, rows: dict[str, dict[str, float]], others: dict[str, Any], folders: dict[str, Path]
+    job: Job, out: Path, rows: dict[str, dict[str, float]], others: dict[str, Any], folders: dict[str, Path]
 ) -> None:
     """The table of the held-out `rows` (in order; the last is the challenger), printed and saved in `out` (table.md)
     with `summary.json` (the rows, the `others` parts' numbers and, with two rows or more, the gate's verdict, paired

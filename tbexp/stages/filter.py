@@ -34,6 +34,7 @@ from tbexp.jobs.tracking import write_summary
 from tbexp.seeds import stream
 
 if TYPE_CHECKING:
+    from tbexp.job import Job
     from tbexp.tasks.harbor_task import Task
 
 log = logging.getLogger(__name__)
@@ -83,25 +84,25 @@ class Selection:
         return self.tasks
 
 
-def run(job: Any) -> dict[str, Any]:
+def run(job: Job) -> dict[str, Any]:
     cfg = job.cfg
     metrics = select(job, job.run_dir, cfg.policy, cfg.load_checkpoint, cfg.sampling).summary()
     write_summary(job.run_dir, metrics)
     return metrics
 
 
-def select_for_rl(job: Any, out: Path, checkpoint: str) -> Selection:
+def select_for_rl(job: Job, out: Path, checkpoint: str) -> Selection:
     """`select` as RL needs it: the model from `checkpoint`, sampled at the temperature GRPO rolls out at,
     since that is the rate that decides whether a group teaches anything."""
     settings = OmegaConf.merge(job.cfg.sampling, {"temperature": job.cfg.grpo.temperature})
     return select(job, out, "model", checkpoint, settings)
 
 
-def select(job: Any, out: Path, policy: str, checkpoint: str, sampling: Any) -> Selection:
+def select(job: Job, out: Path, policy: str, checkpoint: str, sampling: Any) -> Selection:
     """Rate the candidates with `policy` (policy=model: the weights of `checkpoint`, "" = the base model's,
     sampled with the `sampling` settings); write `out/kept_tasks.json`."""
     f = job.cfg.task_filter
-    tasks = job.tasks("rl")
+    tasks: list[Task] = job.tasks("rl")
     if f.max_tasks and f.max_tasks < len(tasks):
         tasks = sorted(
             random.Random(stream(job.cfg.seed, "candidates")).sample(tasks, f.max_tasks), key=lambda t: t.name
@@ -131,7 +132,9 @@ def select(job: Any, out: Path, policy: str, checkpoint: str, sampling: Any) -> 
     return Selection(out / "kept_tasks.json", kept, metrics, [t for t in job.tasks("rl") if t.name in set(kept)])
 
 
-def _solve_rates(job: Any, tasks: list, policy: str, checkpoint: str, sampling: Any) -> dict[str, tuple[float, int]]:
+def _solve_rates(
+    job: Job, tasks: list[Task], policy: str, checkpoint: str, sampling: Any
+) -> dict[str, tuple[float, int]]:
     """{task: (strict solve rate, valid samples)}, from the cache when the same inputs were sampled before."""
     cache = caches.filter_file(job, tasks, policy, checkpoint, sampling)
     if cache.exists():
@@ -152,7 +155,7 @@ def _solve_rates(job: Any, tasks: list, policy: str, checkpoint: str, sampling: 
     return rates
 
 
-def rl_tasks(job: Any, start: str, out: Path) -> list[Task]:
+def rl_tasks(job: Job, start: str, out: Path) -> list[Task]:
     """The kept tasks of `grpo.tasks_file`; without one, the filter rates `start` first, in `out/filter`
     (task_filter=none keeps every candidate)."""
     if job.cfg.grpo.tasks_file:
@@ -162,7 +165,7 @@ def rl_tasks(job: Any, start: str, out: Path) -> list[Task]:
     return select_for_rl(job, out / "filter", start).rl_tasks(job.cfg.task_filter)
 
 
-def kept_tasks(job: Any, path: Path) -> list[Task]:
+def kept_tasks(job: Job, path: Path) -> list[Task]:
     """The RL candidates that a selection file (the filter's kept_tasks.json) keeps; none kept is an error."""
     if not path.exists():
         raise DataError(f"grpo.tasks_file={path}: no such file (the filter stage writes kept_tasks.json)")
