@@ -34,6 +34,7 @@ from tbexp.jobs.tracking import Tracker, run_dir
 if TYPE_CHECKING:  # the backends import torch and tinker: not needed to compose or print a config
     from tbexp.agents.base import Agent
     from tbexp.backends.base import Sampler, TrainingBackend
+    from tbexp.config import Config
     from tbexp.episodes.policies import ModelRuntime
     from tbexp.tasks.harbor_task import TaskSet
 
@@ -42,7 +43,7 @@ TASK_SETS = ("sft", "rl", "heldout")
 
 @dataclass
 class Job:
-    cfg: Any
+    cfg: Config  # the composed config: an OmegaConf node of this schema, read as its dataclass
     run_dir: Path = field(default_factory=run_dir)
 
     def __post_init__(self) -> None:

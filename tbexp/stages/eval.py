@@ -29,6 +29,7 @@ from tbexp.jobs.tracking import write_summary
 from tbexp.seeds import stream
 
 if TYPE_CHECKING:
+    from tbexp.config import EvalConfig
     from tbexp.job import Job
     from tbexp.tasks.harbor_task import Task
 
@@ -255,7 +256,7 @@ def report(
     print(f"run directory: {out}")
 
 
-def gate(settings: Any, rows: dict[str, dict[str, float]], records: dict[str, Any]) -> dict[str, Any]:
+def gate(settings: EvalConfig, rows: dict[str, dict[str, float]], records: dict[str, Any]) -> dict[str, Any]:
     """The last row against the incumbent: `eval.incumbent`'s row when named, else the row before the last
     (SFT, for the whole recipe; base when there is no SFT row), paired on the same tasks and draws."""
     last = list(rows)[-1]

@@ -34,6 +34,7 @@ from tbexp.jobs.tracking import write_summary
 from tbexp.seeds import stream
 
 if TYPE_CHECKING:
+    from tbexp.config import TaskFilterConfig
     from tbexp.job import Job
     from tbexp.tasks.harbor_task import Task
 
@@ -74,7 +75,7 @@ class Selection:
             metrics = {"filter/candidates": float(rated), "filter/kept": float(len(kept))}
         return cls(path, kept, metrics, [t for t in candidates if t.name in set(kept)])
 
-    def rl_tasks(self, bounds: Any) -> list[Task]:
+    def rl_tasks(self, bounds: TaskFilterConfig) -> list[Task]:
         """The kept tasks, for RL; none kept is an error that says what to change (`bounds`: task_filter)."""
         if not self.tasks:
             rated = int(self.metrics["filter/candidates"])

@@ -64,6 +64,7 @@ from tbexp.study import trial
 
 if TYPE_CHECKING:
     from tbexp.backends.base import Sampler, TrainingBackend
+    from tbexp.config import Config, GRPOConfig
     from tbexp.episodes.policies import SampledTokens
     from tbexp.episodes.rollout import Episode
     from tbexp.tasks.harbor_task import Task
@@ -274,7 +275,7 @@ def _solved_by_task(episodes: list[Episode]) -> dict[str, list[bool]]:
 
 
 def _control_metrics(
-    g: Any, rollouts: Rollouts, pool: DifficultyPool, pipeline: RolloutPipeline | None
+    g: GRPOConfig, rollouts: Rollouts, pool: DifficultyPool, pipeline: RolloutPipeline | None
 ) -> dict[str, float]:
     """The pipeline's and the difficulty control's numbers, each only when that part is on (the default logs none)."""
     metrics: dict[str, float] = {}
@@ -370,7 +371,7 @@ def _evaluate(
     _report(cfg, state["evals"], step)
 
 
-def _report(cfg: Any, evals: list[dict[str, Any]], step: int) -> None:
+def _report(cfg: Config, evals: list[dict[str, Any]], step: int) -> None:
     """Tell the job's sweep trial, if any, where it stands; the sweep's pruner may stop the job here (TrialPruned).
 
     A sweep prunes on one of two signals (its pruner.metric): eval/reward, the held-out reward at this step,
