@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from tbexp.episodes.policies import ModelRuntime
 
 
-def _train_threads(b: Any, device: str) -> Any:
+def configure_threads(b: Any, device: str) -> Any:
     """Sets torch's threads for sampling and returns the updates' (an int, None = as set, or a callable that
     re-reads this job's share of its cores before each update: tbexp.jobs.cpu_share)."""
     import torch
@@ -120,7 +120,7 @@ def _local_backend(cfg: Any, save_dir: Path, logit_scale_lr_factor: float = 0.0)
 
     m, b = cfg.model, cfg.backend
     device = b.device if b.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    train_threads = _train_threads(b, device)
+    train_threads = configure_threads(b, device)
     model, tokenizer = load_model(m, device=device)
     return LocalBackend(
         model,
