@@ -11,14 +11,16 @@ free of config plumbing. `tbexp.job.Job` calls these once per job.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tbexp.backends.base import Sampler, TrainingBackend
 
+if TYPE_CHECKING:
+    from tbexp.episodes.policies import ModelRuntime
 
-def _train_threads(b: Any, device: str) -> Any:
+
+def configure_threads(b: Any, device: str) -> Any:
     """Sets torch's threads for sampling and returns the updates' (an int, None = as set, or a callable that
     re-reads this job's share of its cores before each update: tbexp.jobs.cpu_share)."""
     import torch
@@ -118,7 +120,7 @@ def _local_backend(cfg: Any, save_dir: Path, logit_scale_lr_factor: float = 0.0)
 
     m, b = cfg.model, cfg.backend
     device = b.device if b.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    train_threads = _train_threads(b, device)
+    train_threads = configure_threads(b, device)
     model, tokenizer = load_model(m, device=device)
     return LocalBackend(
         model,
@@ -154,7 +156,7 @@ def sampling_params(settings: Any, stop: Any, seed: int | None = None):
     )
 
 
-def model_runtime(cfg: Any, sampler: Any, settings: Any, seed: int | None = None):
+def model_runtime(cfg: Any, sampler: Any, settings: Any, seed: int | None = None) -> ModelRuntime:
     """What policy=model episodes share: `sampler`, the model's renderer and `settings` (a sampling node).
 
     `seed` makes every reply's draw a function of (seed, task, run, turn) instead of the sampler's RNG.
@@ -169,12 +171,25 @@ def model_runtime(cfg: Any, sampler: Any, settings: Any, seed: int | None = None
     )
 
 
+class EpisodeJob(Protocol):
+    """What `run_policy` reads of a job (`tbexp.job.Job`, which imports this module): the config, the agent and the
+    settings every episode's sandbox is built from."""
+
+    cfg: Any
+
+    @property
+    def agent(self) -> Any: ...
+
+    @property
+    def sandbox_settings(self) -> Any: ...
+
+
 class RolloutsCancelled(Exception):
     """The caller stopped `run_policy` (its `stop` was set) while episodes were in flight; they are discarded."""
 
 
 def run_policy(
-    job: Any,
+    job: EpisodeJob,
     tasks: list,
     n_runs: int,
     concurrency: int,
@@ -221,11 +236,3 @@ def run_policy(
     # the same sampling batches on every run, so the results depend on the seeds alone
     lockstep = queue if hasattr(queue, "lockstep") and job.cfg.sampling.lockstep else None
     return run_episodes(jobs, concurrency, run_one, desc=desc, lockstep=lockstep)
-
-
-def checkpoint_bytes(checkpoint: str) -> Iterator[bytes]:
-    """A local checkpoint's files, each name and contents, in a fixed order, for cache keys (a tinker:// URI: none)."""
-    if checkpoint and Path(checkpoint).is_dir():
-        for file in sorted(Path(checkpoint).rglob("*")):
-            if file.is_file():
-                yield file.name.encode() + file.read_bytes()

@@ -1,8 +1,8 @@
 """One content key for every result cache (trajectories, SFT, evals, filter): a hash of what decides the result.
 
-`content_key(decided_by, contents)` hashes three things:
-* `decided_by`: the config parts that decide the result (resolved config nodes, task names, the seed, a
-  checkpoint's name), as canonical JSON;
+`content_key(settings, contents)` hashes three things:
+* `settings`: the config parts that decide the result (resolved config nodes, the seed, a checkpoint's name), as
+  canonical JSON;
 * `contents`: bytes the result is computed from (a data file, a checkpoint's files, task directories);
 * `code_fingerprint()`: a hash of the source of the code that computes results, so a cache filled by older
   code does not answer for newer code.
@@ -11,10 +11,10 @@ Granularity of the code fingerprint: every file of the `tbexp` package, less the
 track or launch (RESULT_FREE below), whose edits cannot change a number. Finer grains were weighed: per
 stage, following imports, misses the many imports made inside functions (the stages import the backends
 lazily), and a missed dependency is a stale result; a coarse grain only costs a recomputation after an
-edit. `conf/` is not part of it: config values enter through `decided_by`.
+edit. `conf/` is not part of it: config values enter through `settings`.
 
-Simplified: the key is what the caller passes; a setting left out of `decided_by` is a setting the caller
-judged not to change the result (each call site says which and why).
+Simplified: the key is what the caller passes. What each cached result passes, and the one table of the
+settings that decide none, are in `tbexp.caches`.
 """
 
 from __future__ import annotations
@@ -41,14 +41,14 @@ RESULT_FREE = (
 )
 
 
-def content_key(decided_by: Mapping[str, Any], contents: Iterable[bytes] = (), length: int = 20) -> str:
+def content_key(settings: Mapping[str, Any], contents: Iterable[bytes] = (), length: int = 20) -> str:
     """`length` hex digits naming a result by everything that decides it, the code included.
 
     >>> content_key({"k": 1}) == content_key({"k": 1}) != content_key({"k": 2})
     True
     """
     h = hashlib.sha256()
-    h.update(json.dumps({"code": code_fingerprint(), "decided_by": decided_by}, sort_keys=True).encode())
+    h.update(json.dumps({"code": code_fingerprint(), "settings": settings}, sort_keys=True).encode())
     for part in contents:
         h.update(len(part).to_bytes(8, "big"))  # a length prefix: ("ab", "c") and ("a", "bc") differ
         h.update(part)
@@ -70,18 +70,10 @@ def code_fingerprint(root: Path = PACKAGE) -> str:
 
 
 def resolved(node: Any) -> Any:
-    """A config node as plain data, interpolations resolved (a part of `decided_by`)."""
+    """A config node as plain data, interpolations resolved."""
     from omegaconf import OmegaConf
 
     return OmegaConf.to_container(node, resolve=True)
-
-
-def sandbox_part(node: Any) -> dict[str, Any]:
-    """The sandbox settings that decide results: all but where the base root lives (`rootfs`, under the cache
-    root, so machine-specific); the root itself is what scripts/build_rootfs.sh builds, the same anywhere."""
-    settings = resolved(node)
-    settings.pop("rootfs", None)
-    return settings
 
 
 def task_contents(tasks: list) -> list[bytes]:

@@ -27,19 +27,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self
 
 from tbexp.jobs.tracking import Tracker, run_dir
 
 if TYPE_CHECKING:  # the backends import torch and tinker: not needed to compose or print a config
+    from tbexp.agents.base import Agent
     from tbexp.backends.base import Sampler, TrainingBackend
+    from tbexp.config import Config
+    from tbexp.episodes.policies import ModelRuntime
+    from tbexp.tasks.harbor_task import TaskSet
 
 TASK_SETS = ("sft", "rl", "heldout")
 
 
 @dataclass
 class Job:
-    cfg: Any
+    cfg: Config  # the composed config: an OmegaConf node of this schema, read as its dataclass
     run_dir: Path = field(default_factory=run_dir)
 
     def __post_init__(self) -> None:
@@ -53,7 +57,7 @@ class Job:
         tasks = Path(self.cfg.tasks.cache_dir)
         return root if tasks == root / "tasks" else tasks.parent
 
-    def tasks(self, name: str) -> list:
+    def tasks(self, name: str) -> TaskSet:
         """The task set `name` (one of TASK_SETS), loaded on first use."""
         if name not in self._task_sets:
             from tbexp.tasks import load_task_set
@@ -67,11 +71,11 @@ class Job:
         return self._task_sets[name]
 
     @cached_property
-    def _task_sets(self) -> dict[str, list]:
+    def _task_sets(self) -> dict[str, TaskSet]:
         return {}
 
     @cached_property
-    def agent(self) -> Any:
+    def agent(self) -> Agent:
         from tbexp.agents.base import make_agent
 
         return make_agent(self.cfg.agent)
@@ -112,7 +116,7 @@ class TrainedCheckpoint:
         return {**self.metrics, self.KEY: self.checkpoint, **{self._key(k): v for k, v in self.exported.items()}}
 
     @classmethod
-    def from_summary(cls, summary: dict[str, Any]) -> TrainedCheckpoint:
+    def from_summary(cls, summary: dict[str, Any]) -> Self:
         exported = {kind: summary[cls._key(kind)] for kind in cls.EXPORT_KINDS if cls._key(kind) in summary}
         export_keys = {cls._key(kind) for kind in cls.EXPORT_KINDS}
         metrics = {k: v for k, v in summary.items() if k != cls.KEY and k not in export_keys}
@@ -124,6 +128,16 @@ class TrainedCheckpoint:
         return f"{stage}/{kind}" if stage else kind
 
 
+class Host(Protocol):
+    """What `backend._target_` names: a model host (tbexp.build.LocalHost, tbexp.build.TinkerHost)."""
+
+    loads: int
+
+    def trainer(self, save_dir: Path, logit_scale_lr_factor: float = 0.0) -> TrainingBackend: ...
+
+    def sampler(self, checkpoint: str = "") -> Sampler: ...
+
+
 class ModelHost:
     """The base model, loaded once per job; trainers and samplers over it, made by the host that `backend._target_`
     names (tbexp.build.LocalHost, tbexp.build.TinkerHost)."""
@@ -132,14 +146,14 @@ class ModelHost:
         from tbexp.build import make_host
 
         self.cfg = cfg
-        self._host = make_host(cfg)
+        self._host: Host = make_host(cfg)
 
     @property
     def loads(self) -> int:
         """How many times base weights were loaded (one per distinct set of weights is the aim)."""
         return self._host.loads
 
-    def runtime(self, sampler: Sampler, settings: Any, seed: int | None) -> Any:
+    def runtime(self, sampler: Sampler, settings: Any, seed: int | None) -> ModelRuntime:
         """What model-policy episodes share: `sampler`, the renderer, `settings` (a sampling node), seeds from `seed`."""
         from tbexp.build import model_runtime
 

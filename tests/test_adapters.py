@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tinker import types
 
-from tbexp.backends.adapters import ExportError, _folded_weight, convert_tinker_adapter
+from tbexp.backends.adapters import ExportError, convert_tinker_adapter, folded_weight
 from tbexp.models import TINY_DIR
 from tests.conftest import compose_config, compose_job
 
@@ -197,11 +197,11 @@ def test_a_norm_not_proportional_to_its_weight_is_refused():
             return x / x.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt() * (1 + self.weight)
 
     with pytest.raises(ExportError, match="not proportional"):
-        _folded_weight(OnePlusWeightNorm(), 1.5)
+        folded_weight(OnePlusWeightNorm(), 1.5)
     plain = torch.nn.RMSNorm(16)
     with torch.no_grad():
         plain.weight.fill_(0.3)
-    assert torch.allclose(_folded_weight(plain, 2.0), torch.full((16,), 0.6))
+    assert torch.allclose(folded_weight(plain, 2.0), torch.full((16,), 0.6))
 
 
 def test_tinker_adapter_names_become_peft_names(tmp_path):

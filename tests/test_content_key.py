@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 
 from tbexp import content_key as ck
+from tbexp.caches import filter_key
 from tbexp.seeds import STREAMS, stream
-from tbexp.stages.filter import cache_key
 from tests.conftest import REPO, compose_config, compose_job
 
 # The filter's key of two small task directories, as the stage computes it; run here and in a fresh process.
@@ -21,13 +21,13 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 from tbexp.config import register
-from tbexp.stages.filter import cache_key
+from tbexp.caches import filter_key
 from tests.conftest import compose_config
 register()
 root, overrides = Path(sys.argv[1]), sys.argv[2:]
 tasks = [SimpleNamespace(name=p.name, path=p) for p in sorted(root.iterdir())]
 cfg = compose_config(*overrides)
-print(cache_key(cfg, tasks, "model", "", cfg.sampling))
+print(filter_key(cfg, tasks, "model", "", cfg.sampling))
 """
 
 
@@ -43,7 +43,7 @@ def tasks(tmp_path):
 
 def _filter_key(tasks, *overrides: str) -> str:
     cfg = compose_config(*overrides)
-    return cache_key(cfg, tasks, "model", "", cfg.sampling)
+    return filter_key(cfg, tasks, "model", "", cfg.sampling)
 
 
 @pytest.mark.parametrize(

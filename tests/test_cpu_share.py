@@ -96,7 +96,7 @@ def test_a_job_on_other_cores_does_not_count(tmp_path, monkeypatch):
 def test_the_backend_gets_a_share_only_when_asked(share_cores, monkeypatch, tmp_path):
     from types import SimpleNamespace
 
-    from tbexp.build import _train_threads
+    from tbexp.build import configure_threads
 
     monkeypatch.setenv("TBEXP_JOBS_DIR", str(tmp_path))
     monkeypatch.setattr(cpu_share, "_REGISTRATION", [])
@@ -105,8 +105,8 @@ def test_the_backend_gets_a_share_only_when_asked(share_cores, monkeypatch, tmp_
     previous = torch.get_num_threads()
     try:
         b = SimpleNamespace(share_cores=share_cores, threads=1, train_threads=2)
-        got = _train_threads(b, "cpu")
+        got = configure_threads(b, "cpu")
         assert callable(got) if share_cores else got == 2
-        assert _train_threads(b, "cuda") == 2  # the GPU's updates take what they are given
+        assert configure_threads(b, "cuda") == 2  # the GPU's updates take what they are given
     finally:
         torch.set_num_threads(previous)

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import pytest
 
 from tbexp.episodes.promotion import episode_records, paired_difference, promotion, read_records, write_records
-from tbexp.stages.pipeline import _gate
+from tbexp.stages.eval import gate
 
 INCUMBENT = {"a": [1, 1], "b": [0, 1], "c": [0, 0]}
 CHALLENGER = {"a": [1, 1], "b": [1, 1], "c": [0, 1]}
@@ -90,10 +90,10 @@ def test_the_pipeline_gate_compares_with_the_row_before_the_last_or_the_named_in
     settings = SimpleNamespace(promote_by=METRIC, promote_margin=0.0, promote_z=1.96)
     all_rows = {"base": {METRIC: 0.0}, **rows()}
     got = records(CHALLENGER)
-    verdict = _gate(settings, all_rows, {"base": records({"a": [0, 0]}), "sft": records(INCUMBENT), "rl": got})
+    verdict = gate(settings, all_rows, {"base": records({"a": [0, 0]}), "sft": records(INCUMBENT), "rl": got})
     assert verdict["incumbent"] == "sft" and verdict["promoted"]
     named = {"base": {METRIC: 0.0}, "sft": {METRIC: 0.5}, "incumbent": {METRIC: 5 / 6}, "rl": {METRIC: 5 / 6}}
-    verdict = _gate(settings, named, {"incumbent": records(CHALLENGER), "rl": got})
+    verdict = gate(settings, named, {"incumbent": records(CHALLENGER), "rl": got})
     assert verdict["incumbent"] == "incumbent" and not verdict["promoted"] and verdict["difference"] == 0.0
 
 

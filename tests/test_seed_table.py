@@ -1,18 +1,14 @@
-"""scripts/seed_table.py: the RL gain over seeds, from the runs' summary.json, against hand-computed figures."""
+"""tbexp.study.seed_table (scripts/seed_table.py): the RL gain over seeds, from the runs' summary.json, against
+hand-computed figures."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
-
-_spec = importlib.util.spec_from_file_location("seed_table", REPO / "scripts" / "seed_table.py")
-seed_table = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(seed_table)
+from tbexp.study import seed_table
 
 
 def _run(folder: Path, seed: int, sft: float, rl: float) -> Path:

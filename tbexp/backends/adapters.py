@@ -101,7 +101,7 @@ def _final_norm(lm) -> tuple[str, ScaledNorm]:
     return name, norm
 
 
-def _folded_weight(norm: torch.nn.Module, scale: float) -> torch.Tensor:
+def folded_weight(norm: torch.nn.Module, scale: float) -> torch.Tensor:
     """The weight that makes `norm` alone compute norm(x)·scale; checked on a probe input."""
     weight = getattr(norm, "weight", None)
     if not isinstance(weight, torch.Tensor) or getattr(norm, "bias", None) is not None:
@@ -129,7 +129,7 @@ def _carry_scale(lm, scale: float, adapter: Path) -> None:
     """Put the final norm, its weight times `scale`, into the adapter peft wrote (`modules_to_save`)."""
     name, norm = _final_norm(lm)
     tensors = load_file(adapter / ADAPTER_WEIGHTS)
-    tensors[f"base_model.model.{name}.weight"] = _folded_weight(norm.norm, scale)
+    tensors[f"base_model.model.{name}.weight"] = folded_weight(norm.norm, scale)
     save_file(tensors, adapter / ADAPTER_WEIGHTS, metadata={"format": "pt"})
     config = json.loads((adapter / ADAPTER_CONFIG).read_text())
     config["modules_to_save"] = [*(config.get("modules_to_save") or []), name]
@@ -146,7 +146,7 @@ def _plain_state_dict(lm, scale: float) -> dict[str, torch.Tensor]:
     for key in [k for k in state if k.startswith(f"{name}.norm.")]:
         state[name + key.removeprefix(f"{name}.norm")] = state.pop(key)
     if scale != 1.0:
-        state[f"{name}.weight"] = _folded_weight(norm.norm, scale)
+        state[f"{name}.weight"] = folded_weight(norm.norm, scale)
     return state
 
 

@@ -32,7 +32,7 @@ from transformers import DynamicCache
 
 from tbexp.backends.base import SampledSequence
 from tbexp.backends.llama_steps import LlamaSteps
-from tbexp.backends.sampling import _cache_kwarg, _generator, _stopped, filter_logits, resolve_stops
+from tbexp.backends.sampling import cache_kwarg, filter_logits, resolve_stops, seeded_generator, stopped
 
 
 @dataclass
@@ -46,7 +46,7 @@ def sample_batch(model, tokenizer, requests: list[Request], eos_token_ids: list[
     """One sampled sequence per request; the caller puts the model in eval mode and holds its weights fixed."""
     device = next(model.parameters()).device
     stops = [resolve_stops(r.params.stop, eos_token_ids) for r in requests]
-    generators = [_generator(r.params, device) for r in requests]
+    generators = [seeded_generator(r.params, device) for r in requests]
     limits = [r.params.max_tokens for r in requests]
     if any(limit is None for limit in limits):
         raise ValueError("batched sampling needs SamplingParams.max_tokens")
@@ -74,7 +74,7 @@ def sample_batch(model, tokenizer, requests: list[Request], eos_token_ids: list[
             seq = results[i]
             seq.tokens.append(token)
             seq.logprobs.append(float(logp_B_V[b, token]))
-            if _stopped(seq.tokens, stops[i], tokenizer):
+            if stopped(seq.tokens, stops[i], tokenizer):
                 seq.stop_reason = "stop"
             elif len(seq.tokens) < limits[i]:
                 keep.append(b)
@@ -98,7 +98,7 @@ class TransformersSteps:
         self.model = model
         lm = model.get_base_model() if hasattr(model, "get_base_model") else model
         self.cache = DynamicCache(config=lm.config)
-        self.cache_kw = {_cache_kwarg(lm): self.cache}
+        self.cache_kw = {cache_kwarg(lm): self.cache}
 
     def prefill(self, tokens_B_T: torch.Tensor, mask_B_T: torch.Tensor, positions_B_T: torch.Tensor) -> torch.Tensor:
         self.mask_B_T = mask_B_T

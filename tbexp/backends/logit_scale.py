@@ -20,6 +20,8 @@ Which stage trains it, and how fast, is the optimizer's business
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 PARAMETER = "log_scale"
@@ -57,9 +59,9 @@ class ScaledReference:
     its scale when this was made). GRPO's KL reference with grpo.kl_scaled_reference: the starting weights as
     sharp as the policy is now, so the penalty holds what the LoRA changed, not how sharply the policy samples."""
 
-    def __init__(self, sampler, backend):
+    def __init__(self, sampler: Any, backend: Any) -> None:
         self.sampler, self.backend = sampler, backend
         self.start_scale = backend.logit_scale()
 
-    def compute_logprobs(self, prompt):
+    def compute_logprobs(self, prompt: Any) -> Any:
         return self.sampler.compute_logprobs(prompt, logit_scale=self.backend.logit_scale() / self.start_scale)

@@ -91,11 +91,11 @@ def sample_sequences(
         if max_context_tokens is None:
             raise ValueError("SamplingParams.max_tokens is required when the model's context length is unknown")
         max_tokens = max_context_tokens - len(prompt_tokens)
-    generator = _generator(params, device)
+    generator = seeded_generator(params, device)
 
     lm = model.get_base_model() if hasattr(model, "get_base_model") else model  # under a peft wrapper
     cache = DynamicCache(config=lm.config)
-    cache_kw = {_cache_kwarg(lm): cache}
+    cache_kw = {cache_kwarg(lm): cache}
     out = model(input_ids=torch.tensor([prompt_tokens], device=device), use_cache=True, logits_to_keep=1, **cache_kw)
     if static_decode:
         return _static_decode(
@@ -127,7 +127,7 @@ def sample_sequences(
             i = live[b]
             tokens[i].append(tok)
             logprobs[i].append(lp)
-            if _stopped(tokens[i], stops, tokenizer):
+            if stopped(tokens[i], stops, tokenizer):
                 reasons[i] = "stop"
             elif len(tokens[i]) < max_tokens:
                 keep.append(b)
@@ -167,7 +167,7 @@ def _static_decode(
     del prompt_cache
     tokens_B_1 = torch.zeros(num_samples, 1, dtype=torch.long, device=device)  # the graph's inputs, refilled each step
     positions_B_1 = torch.zeros_like(tokens_B_1)
-    cache_kw = {_cache_kwarg(lm): cache}
+    cache_kw = {cache_kwarg(lm): cache}
 
     def step() -> torch.Tensor:
         return model(input_ids=tokens_B_1, position_ids=positions_B_1, use_cache=True, **cache_kw).logits[:, -1]
@@ -192,7 +192,7 @@ def _static_decode(
                 continue
             tokens[b].append(int(picked[b]))
             logprobs[b].append(logp[b])
-            if _stopped(tokens[b], stops, tokenizer):
+            if stopped(tokens[b], stops, tokenizer):
                 reasons[b], done[b] = "stop", True
             done[b] = done[b] or len(tokens[b]) >= max_tokens
         if all(done):
@@ -230,12 +230,12 @@ def _capture(step):
     return graph, out
 
 
-def _cache_kwarg(lm) -> str:
+def cache_kwarg(lm) -> str:
     """transformers 5 renamed `past_key_values` to `cache`; accept either."""
     return "cache" if "cache" in inspect.signature(lm.forward).parameters else "past_key_values"
 
 
-def _generator(params: types.SamplingParams, device: torch.device) -> torch.Generator | None:
+def seeded_generator(params: types.SamplingParams, device: torch.device) -> torch.Generator | None:
     if params.temperature == 0:
         return None
     seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
@@ -263,7 +263,7 @@ def filter_logits(logits_B_V: torch.Tensor, top_k: int, top_p: float) -> torch.T
     return logits_B_V
 
 
-def _stopped(generated: list[int], stops: Stops, tokenizer) -> bool:
+def stopped(generated: list[int], stops: Stops, tokenizer) -> bool:
     if generated[-1] in stops.token_ids:
         return True
     if not stops.strings:

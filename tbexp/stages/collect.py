@@ -12,12 +12,16 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from tbexp import caches
 from tbexp.build import run_policy
-from tbexp.content_key import content_key, resolved, sandbox_part, task_contents
 from tbexp.episodes.trajectories import write_conversations
 from tbexp.jobs.tracking import write_summary
+
+if TYPE_CHECKING:
+    from tbexp.job import Job
+    from tbexp.tasks.harbor_task import Task
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +33,15 @@ class Trajectories:
     path: Path
     metrics: dict[str, float]
 
+    def summary(self) -> dict[str, Any]:
+        return {**self.metrics, "collect/data": str(self.path)}
 
-def run(job: Any) -> dict[str, float]:
+    @classmethod
+    def from_summary(cls, summary: dict[str, Any]) -> Trajectories:
+        return cls(Path(summary["collect/data"]), {k: v for k, v in summary.items() if k != "collect/data"})
+
+
+def run(job: Job) -> dict[str, float]:
     cfg = job.cfg
     path = Path(cfg.collect.data) if cfg.collect.data else job.run_dir / "trajectories.jsonl"
     runtime = (
@@ -46,7 +57,7 @@ def run(job: Any) -> dict[str, float]:
     return metrics
 
 
-def collect(job: Any, tasks: list, policy: str, path: Path, runtime: Any = None) -> Trajectories:
+def collect(job: Job, tasks: list[Task], policy: str, path: Path, runtime: Any = None) -> Trajectories:
     """Run `policy` (with `runtime` for policy=model) on `tasks`; write the verified successes to `path`."""
     c = job.cfg.collect
     episodes = run_policy(job, tasks, c.n_runs, c.concurrency, policy, runtime, desc=f"collect {policy}")
@@ -76,14 +87,11 @@ def collect(job: Any, tasks: list, policy: str, path: Path, runtime: Any = None)
     )
 
 
-def oracle_trajectories(job: Any) -> Path:
-    """The oracle's verified turns on the SFT tasks, collected once per content key (under the cache): the tasks
-    (names and directories), the agent, the sandbox (its limits decide which oracle runs succeed) and the code."""
-    cfg = job.cfg
+def oracle_trajectories(job: Job) -> Path:
+    """The oracle's verified turns on the SFT tasks, collected once per content key (tbexp.caches.trajectories_key:
+    the tasks' names and directories, the agent, the sandbox, whose limits decide which oracle runs succeed, the code)."""
     tasks = job.tasks("sft")
-    decided_by = {"agent": resolved(cfg.agent), "sandbox": sandbox_part(cfg.sandbox), "n_runs": cfg.collect.n_runs}
-    key = content_key(decided_by, task_contents(tasks), length=16)
-    path = job.cache_dir / "trajectories" / f"oracle-{cfg.agent.name}-{len(tasks)}tasks-{key}.jsonl"
+    path = caches.trajectories_file(job, tasks)
     if not path.exists():
         collect(job, tasks, "oracle", path)
     return path

@@ -14,8 +14,9 @@ import csv
 import json
 import logging
 import math
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tbexp.build import run_policy
 from tbexp.episodes.policies import POLICIES, ModelRuntime
@@ -26,6 +27,11 @@ from tbexp.episodes.scoring import no_valid_reason, score_episodes, summarize, t
 from tbexp.jobs.plots import plot_eval
 from tbexp.jobs.tracking import write_summary
 from tbexp.seeds import stream
+
+if TYPE_CHECKING:
+    from tbexp.config import EvalConfig
+    from tbexp.job import Job
+    from tbexp.tasks.harbor_task import Task
 
 log = logging.getLogger(__name__)
 POLICY_NAMES = (*POLICIES, "model")  # an eval.candidates entry that is not one of these is a checkpoint
@@ -39,7 +45,21 @@ ROW_METRICS = {
 }
 
 
-def run(job: Any) -> dict[str, float]:
+@dataclass(frozen=True)
+class Scores:
+    """A policy's numbers on the held-out tasks (`eval/…`, `tasks/unloadable`): one row of a table."""
+
+    metrics: dict[str, float]
+
+    def summary(self) -> dict[str, float]:
+        return dict(self.metrics)
+
+    @classmethod
+    def from_summary(cls, summary: dict[str, Any]) -> Scores:
+        return cls(dict(summary))
+
+
+def run(job: Job) -> dict[str, float]:
     cfg, out = job.cfg, job.run_dir
     if cfg.eval.candidates:
         return _compare_candidates(job, out)
@@ -52,7 +72,7 @@ def run(job: Any) -> dict[str, float]:
     return metrics
 
 
-def evaluate_checkpoint(job: Any, out: Path, checkpoint: str, label: str, quiet: bool = False) -> dict[str, float]:
+def evaluate_checkpoint(job: Job, out: Path, checkpoint: str, label: str, quiet: bool = False) -> dict[str, float]:
     """policy=model from `checkpoint`'s weights ("" = the base model) on the held-out tasks, on the eval draws."""
     runtime = job.models.runtime(job.models.sampler(checkpoint), job.cfg.sampling, stream(job.cfg.seed, "eval"))
     return evaluate(job, out, "model", runtime, label=label, quiet=quiet)
@@ -71,7 +91,7 @@ def compare(rows: dict[str, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
-def _compare_candidates(job: Any, out: Path) -> dict[str, float]:
+def _compare_candidates(job: Job, out: Path) -> dict[str, float]:
     """Score every `eval.candidates` entry; the first is the incumbent, the best challenger is promoted if it beats it."""
     cfg = job.cfg
     rows: dict[str, dict[str, float]] = {}
@@ -95,7 +115,7 @@ def _compare_candidates(job: Any, out: Path) -> dict[str, float]:
 
 
 def evaluate(
-    job: Any,
+    job: Job,
     out: Path,
     policy: str,
     runtime: ModelRuntime | None = None,
@@ -152,7 +172,7 @@ def evaluate(
     return metrics
 
 
-def _run(job: Any, tasks: list, n_runs: int, policy: str, runtime: Any, out: Path, desc: str) -> list[Episode]:
+def _run(job: Job, tasks: list[Task], n_runs: int, policy: str, runtime: Any, out: Path, desc: str) -> list[Episode]:
     """The episodes, through tbexp's own agent loop or (eval.harness=harbor) Harbor's trials under `out/trials`."""
     cfg = job.cfg
     if cfg.eval.harness == "harbor":
@@ -211,3 +231,47 @@ def _save_transcripts(folder: Path, episodes: list[Episode], rewards: dict[int, 
         }
         name = f"{ep.task.name.replace('/', '__')}-run{ep.run}.json"
         (folder / name).write_text(json.dumps(record, indent=1))
+
+
+def report(
+    job: Job, out: Path, rows: dict[str, dict[str, float]], others: dict[str, Any], folders: dict[str, Path]
+) -> None:
+    """The table of the held-out `rows` (in order; the last is the challenger), printed and saved in `out` (table.md)
+    with `summary.json` (the rows, the `others` parts' numbers and, with two rows or more, the gate's verdict, paired
+    on the episodes in each row's folder of `folders`), and sent to the tracker."""
+    summary: dict[str, Any] = {**rows, **others}
+    table = compare(rows) if rows else "no eval rows (pipeline.stages has no eval part)"
+    if len(rows) > 1:
+        summary["promotion"] = gate(job.cfg.eval, rows, {name: read_records(folders[name]) for name in rows})
+        table += "\n" + summary["promotion"]["message"]
+    write_summary(out, summary)
+    (out / "table.md").write_text(
+        _markdown(rows) + ("\n" + summary["promotion"]["message"] + "\n" if "promotion" in summary else "")
+        if rows
+        else table + "\n"
+    )
+    print(table)
+    tracker = job.tracker(out)
+    tracker.log({f"{name}/{k}": v for name, metrics in rows.items() for k, v in metrics.items()})
+    tracker.finish()
+    print(f"run directory: {out}")
+
+
+def gate(settings: EvalConfig, rows: dict[str, dict[str, float]], records: dict[str, Any]) -> dict[str, Any]:
+    """The last row against the incumbent: `eval.incumbent`'s row when named, else the row before the last
+    (SFT, for the whole recipe; base when there is no SFT row), paired on the same tasks and draws."""
+    last = list(rows)[-1]
+    incumbent = "incumbent" if "incumbent" in rows else list(rows)[-2]
+    pair = {incumbent: rows[incumbent], last: rows[last]}
+    return promotion(pair, settings.promote_by, settings.promote_margin, settings.promote_z, records)
+
+
+def _markdown(rows: dict[str, dict[str, float]]) -> str:
+    keys = [(label, key) for key, label in ROW_METRICS.items()]
+    lines = ["| held-out | " + " | ".join(label for label, _ in keys) + " |", "|---" * (len(keys) + 1) + "|"]
+    for name, m in rows.items():
+        cells = [
+            f"{m[k]:.3f}" if k != "eval/pass@1" else f"{m[k]:.3f} ± {m['eval/pass@1_stderr']:.3f}" for _, k in keys
+        ]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

@@ -7,10 +7,10 @@ interval → keep the tasks whose rate lies in [lower, upper] → write
 `kept_tasks.json` and the per-task table → a `Selection`.
 
 Results are cached under `<cache>/filter/` by a content key
-(`tbexp.content_key`) of everything that decides them: the checkpoint (its path
-and file contents, or its tinker:// URI), the tasks (names and directories), k,
-the model, backend, agent, sandbox (its limits decide what a command can do) and
-sampling settings, the seed and the code. A second run or a sweep trial with the
+(`tbexp.caches.filter_key`) of everything that decides them: the checkpoint (its
+files, or its tinker:// URI), the tasks (names and directories), k, the model,
+backend, agent, sandbox (its limits decide what a command can do) and sampling
+settings, the seed and the code. A second run or a sweep trial with the
 same inputs reads the rates instead of resampling.
 `task_filter=none` keeps every candidate without sampling.
 """
@@ -23,56 +23,87 @@ import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import OmegaConf
 
-from tbexp.build import checkpoint_bytes, run_policy
-from tbexp.content_key import content_key, resolved, sandbox_part, task_contents
+from tbexp import caches
+from tbexp.build import run_policy
+from tbexp.episodes.trajectories import DataError
 from tbexp.jobs.tracking import write_summary
 from tbexp.seeds import stream
+
+if TYPE_CHECKING:
+    from tbexp.config import TaskFilterConfig
+    from tbexp.job import Job
+    from tbexp.tasks.harbor_task import Task
 
 log = logging.getLogger(__name__)
 
 
+class NoTasksKept(DataError):
+    """The filter kept no RL task: nothing for GRPO to train on."""
+
+
 @dataclass(frozen=True)
 class Selection:
-    """The RL tasks kept, written to `path` (kept_tasks.json), and the filter's counts (`filter/…`)."""
+    """The RL tasks kept (`tasks`, among the job's `rl` set; their names `kept`), written to `path`
+    (kept_tasks.json), and the filter's counts (`filter/…`)."""
 
     path: Path
     kept: list[str]
     metrics: dict[str, float]
+    tasks: list[Task]
 
     def summary(self) -> dict[str, Any]:
         return {**self.metrics, "filter/kept_tasks": str(self.path)}
 
     @classmethod
-    def from_summary(cls, summary: dict[str, Any]) -> Selection:
-        path = Path(summary["filter/kept_tasks"])
-        return cls(
-            path, json.loads(path.read_text())["kept"], {k: v for k, v in summary.items() if k != "filter/kept_tasks"}
-        )
+    def from_summary(cls, summary: dict[str, Any], candidates: list[Task]) -> Selection:
+        """The selection `summary()` described, its tasks among `candidates` (the job's `rl` set)."""
+        metrics = {k: v for k, v in summary.items() if k != "filter/kept_tasks"}
+        return cls.read(Path(summary["filter/kept_tasks"]), candidates, metrics)
+
+    @classmethod
+    def read(cls, path: Path, candidates: list[Task], metrics: dict[str, float] | None = None) -> Selection:
+        """The selection a kept_tasks.json file holds, its tasks among `candidates`; `metrics`: the filter's counts
+        (without them, counted from the file: the filter rates task_filter.max_tasks of the candidates)."""
+        written = json.loads(path.read_text())
+        kept = written["kept"]
+        if metrics is None:
+            rated = len(written.get("rates") or candidates)
+            metrics = {"filter/candidates": float(rated), "filter/kept": float(len(kept))}
+        return cls(path, kept, metrics, [t for t in candidates if t.name in set(kept)])
+
+    def rl_tasks(self, bounds: TaskFilterConfig) -> list[Task]:
+        """The kept tasks, for RL; none kept is an error that says what to change (`bounds`: task_filter)."""
+        if not self.tasks:
+            rated = int(self.metrics["filter/candidates"])
+            raise NoTasksKept(
+                f"{self.path}: no RL tasks kept (solve rate in [{bounds.lower}, {bounds.upper}] of {rated} candidates rated); widen task_filter.lower/upper, raise task_filter.k, or train SFT further"
+            )
+        return self.tasks
 
 
-def run(job: Any) -> dict[str, Any]:
+def run(job: Job) -> dict[str, Any]:
     cfg = job.cfg
     metrics = select(job, job.run_dir, cfg.policy, cfg.load_checkpoint, cfg.sampling).summary()
     write_summary(job.run_dir, metrics)
     return metrics
 
 
-def select_for_rl(job: Any, out: Path, checkpoint: str) -> Selection:
+def select_for_rl(job: Job, out: Path, checkpoint: str) -> Selection:
     """`select` as RL needs it: the model from `checkpoint`, sampled at the temperature GRPO rolls out at,
     since that is the rate that decides whether a group teaches anything."""
     settings = OmegaConf.merge(job.cfg.sampling, {"temperature": job.cfg.grpo.temperature})
     return select(job, out, "model", checkpoint, settings)
 
 
-def select(job: Any, out: Path, policy: str, checkpoint: str, sampling: Any) -> Selection:
+def select(job: Job, out: Path, policy: str, checkpoint: str, sampling: Any) -> Selection:
     """Rate the candidates with `policy` (policy=model: the weights of `checkpoint`, "" = the base model's,
     sampled with the `sampling` settings); write `out/kept_tasks.json`."""
     f = job.cfg.task_filter
-    tasks = job.tasks("rl")
+    tasks: list[Task] = job.tasks("rl")
     if f.max_tasks and f.max_tasks < len(tasks):
         tasks = sorted(
             random.Random(stream(job.cfg.seed, "candidates")).sample(tasks, f.max_tasks), key=lambda t: t.name
@@ -99,12 +130,14 @@ def select(job: Any, out: Path, policy: str, checkpoint: str, sampling: Any) -> 
     tracker = job.tracker(out)
     tracker.log(metrics)
     tracker.finish()
-    return Selection(out / "kept_tasks.json", kept, metrics)
+    return Selection(out / "kept_tasks.json", kept, metrics, [t for t in job.tasks("rl") if t.name in set(kept)])
 
 
-def _solve_rates(job: Any, tasks: list, policy: str, checkpoint: str, sampling: Any) -> dict[str, tuple[float, int]]:
+def _solve_rates(
+    job: Job, tasks: list[Task], policy: str, checkpoint: str, sampling: Any
+) -> dict[str, tuple[float, int]]:
     """{task: (strict solve rate, valid samples)}, from the cache when the same inputs were sampled before."""
-    cache = job.cache_dir / "filter" / f"{cache_key(job.cfg, tasks, policy, checkpoint, sampling)}.json"
+    cache = caches.filter_file(job, tasks, policy, checkpoint, sampling)
     if cache.exists():
         log.info("filter: solve rates from the cache %s", cache)
         return {name: tuple(v) for name, v in json.loads(cache.read_text()).items()}
@@ -123,21 +156,21 @@ def _solve_rates(job: Any, tasks: list, policy: str, checkpoint: str, sampling: 
     return rates
 
 
-def cache_key(cfg: Any, tasks: list, policy: str, checkpoint: str, sampling: Any) -> str:
-    """The content key of the solve rates of `tasks` under `policy` (tbexp.content_key)."""
-    decided_by = {
-        "checkpoint": checkpoint,
-        "policy": policy,
-        "k": cfg.task_filter.k,
-        "sampling": resolved(sampling),
-        "seed": cfg.seed,
-        "sandbox": sandbox_part(cfg.sandbox),
-        **{part: resolved(cfg[part]) for part in ("model", "backend", "agent")},
-    }
-    # Left out: torch's thread counts, and how many episodes run at once (each reply's seed is its own).
-    for key in ("threads", "train_threads"):
-        decided_by["backend"].pop(key, None)
-    return content_key(decided_by, [*task_contents(tasks), *checkpoint_bytes(checkpoint)], length=24)
+def rl_tasks(job: Job, start: str, out: Path) -> list[Task]:
+    """The kept tasks of `grpo.tasks_file`; without one, the filter rates `start` first, in `out/filter`
+    (task_filter=none keeps every candidate)."""
+    if job.cfg.grpo.tasks_file:
+        return kept_tasks(job, Path(job.cfg.grpo.tasks_file))
+    if job.cfg.task_filter.name == "none":
+        return job.tasks("rl")
+    return select_for_rl(job, out / "filter", start).rl_tasks(job.cfg.task_filter)
+
+
+def kept_tasks(job: Job, path: Path) -> list[Task]:
+    """The RL candidates that a selection file (the filter's kept_tasks.json) keeps; none kept is an error."""
+    if not path.exists():
+        raise DataError(f"grpo.tasks_file={path}: no such file (the filter stage writes kept_tasks.json)")
+    return Selection.read(path, job.tasks("rl")).rl_tasks(job.cfg.task_filter)
 
 
 def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:

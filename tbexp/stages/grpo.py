@@ -41,9 +41,10 @@ import json
 import logging
 import math
 import shutil
+import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import OmegaConf
 
@@ -51,15 +52,22 @@ from tbexp.build import run_policy
 from tbexp.episodes.advantages import grpo_datums, loss_fn_config
 from tbexp.episodes.difficulty import DifficultyPool
 from tbexp.episodes.scoring import score_episodes, summarize
-from tbexp.episodes.trajectories import DataError
-from tbexp.job import TrainedCheckpoint
+from tbexp.job import Job, TrainedCheckpoint
 from tbexp.jobs.preemption import interruptible
 from tbexp.jobs.schedule import learning_rate
 from tbexp.jobs.tracking import Tracker, write_summary
 from tbexp.seeds import stream
 from tbexp.stages.eval import ROW_METRICS as EVAL_KEYS
+from tbexp.stages.filter import NoTasksKept, kept_tasks, rl_tasks  # noqa: F401  (stage=grpo's tasks; older callers)
 from tbexp.stages.grpo_rollouts import Plan, RolloutPipeline, Rollouts, make_plan, sample_groups
 from tbexp.study import trial
+
+if TYPE_CHECKING:
+    from tbexp.backends.base import Sampler, TrainingBackend
+    from tbexp.config import Config, GRPOConfig
+    from tbexp.episodes.policies import SampledTokens
+    from tbexp.episodes.rollout import Episode
+    from tbexp.tasks.harbor_task import Task
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +78,7 @@ class RLResult(TrainedCheckpoint):
     KEY = "grpo/checkpoint"
 
 
-def run(job: Any) -> dict[str, Any]:
+def run(job: Job) -> dict[str, Any]:
     out = job.run_dir
     start = job.cfg.load_checkpoint
     summary = train(job, start, rl_tasks(job, start, out), out).summary()
@@ -79,40 +87,7 @@ def run(job: Any) -> dict[str, Any]:
     return summary
 
 
-def rl_tasks(job: Any, start: str, out: Path) -> list:
-    """The kept tasks of `grpo.tasks_file`; without one, the filter rates `start` first, in `out/filter`
-    (task_filter=none keeps every candidate)."""
-    if job.cfg.grpo.tasks_file:
-        return kept_tasks(job, Path(job.cfg.grpo.tasks_file))
-    if job.cfg.task_filter.name == "none":
-        return job.tasks("rl")
-    from tbexp.stages import filter as filter_stage
-
-    return kept_tasks(job, filter_stage.select_for_rl(job, out / "filter", start).path)
-
-
-class NoTasksKept(DataError):
-    """The filter kept no RL task: nothing for GRPO to train on."""
-
-
-def kept_tasks(job: Any, path: Path) -> list:
-    """The RL candidates that a selection file (the filter's kept_tasks.json) keeps; none kept is an error."""
-    if not path.exists():
-        raise DataError(f"grpo.tasks_file={path}: no such file (the filter stage writes kept_tasks.json)")
-    candidates = job.tasks("rl")
-    selection = json.loads(path.read_text())
-    kept = set(selection["kept"])
-    tasks = [t for t in candidates if t.name in kept]
-    if not tasks:
-        f = job.cfg.task_filter
-        rated = len(selection.get("rates") or candidates)  # the filter rates task_filter.max_tasks of the candidates
-        raise NoTasksKept(
-            f"{path}: no RL tasks kept (solve rate in [{f.lower}, {f.upper}] of {rated} candidates rated); widen task_filter.lower/upper, raise task_filter.k, or train SFT further"
-        )
-    return tasks
-
-
-def train(job: Any, start: str, tasks: list, out: Path) -> RLResult:
+def train(job: Job, start: str, tasks: list[Task], out: Path) -> RLResult:
     """Run (or resume) GRPO in `out` from `start`'s weights ("" = the base model) on `tasks`; keep the peak."""
     from tqdm import trange
 
@@ -121,9 +96,11 @@ def train(job: Any, start: str, tasks: list, out: Path) -> RLResult:
     cfg = job.cfg
     g = cfg.grpo
     state_path = out / "grpo_state.json"
-    state = json.loads(state_path.read_text()) if state_path.exists() else {"step": 0, "checkpoint": "", "evals": []}
+    state: dict[str, Any] = (
+        json.loads(state_path.read_text()) if state_path.exists() else {"step": 0, "checkpoint": "", "evals": []}
+    )
     backend = job.models.trainer(out / "checkpoints", start, logit_scale_lr_factor=g.logit_scale_lr_factor)
-    reference = backend.sampler() if g.kl_coef else None  # a snapshot of the starting weights
+    reference: Any = backend.sampler() if g.kl_coef else None  # a snapshot of the starting weights
     if reference is not None and g.kl_scaled_reference:
         from tbexp.backends.logit_scale import ScaledReference
 
@@ -185,7 +162,7 @@ def train(job: Any, start: str, tasks: list, out: Path) -> RLResult:
     return RLResult(best["checkpoint"], metrics, {exported.kind: exported.path})
 
 
-def peak(evals: list[dict]) -> dict:
+def peak(evals: list[dict[str, Any]]) -> dict[str, Any]:
     """The eval point with the highest held-out reward: on a tie the earlier, less-trained one; an eval with no valid
     episode (NaN) is never the peak unless every one is.
 
@@ -199,7 +176,7 @@ class _RolloutSource:
     """Each step's rollouts: sampled then from the live weights, or (max_off_policy_steps > 0) taken from the
     pipeline, which then launches the next ones; the difficulty pool is updated from every step's rollouts."""
 
-    def __init__(self, job: Any, backend, start: str, state: dict, tasks: list):
+    def __init__(self, job: Job, backend: TrainingBackend, start: str, state: dict[str, Any], tasks: list[Task]):
         g = job.cfg.grpo
         self.job, self.backend, self.start, self.state = job, backend, start, state
         self.pool = DifficultyPool([t.name for t in tasks], g.retire_after, min_active=g.groups_per_step)
@@ -239,7 +216,7 @@ class _RolloutSource:
             metrics["time/rollout_wait"] = wait_s  # the part of the rollouts the update did not hide
         return rollouts, metrics
 
-    def remember(self, state: dict) -> None:
+    def remember(self, state: dict[str, Any]) -> None:
         """Into the checkpoint's state: the pool's counts and the plans in flight (what an exact resume needs)."""
         if self.job.cfg.grpo.retire_after:
             state["pool"] = self.pool.state()
@@ -251,7 +228,9 @@ class _RolloutSource:
             self.pipeline.close()  # rollouts still in flight are discarded; a resumed run samples them again
 
 
-def _rollouts(job: Any, plan: Plan, by_name: dict, sampler, stop=None) -> Rollouts:
+def _rollouts(
+    job: Job, plan: Plan, by_name: dict[str, Task], sampler: Sampler, stop: threading.Event | None = None
+) -> Rollouts:
     """A plan's groups, `group_size` episodes each at `grpo.temperature` from `sampler`, flat ones replaced."""
     cfg = job.cfg
     g = cfg.grpo
@@ -261,7 +240,7 @@ def _rollouts(job: Any, plan: Plan, by_name: dict, sampler, stop=None) -> Rollou
 
     rounds = itertools.count()  # replacement rounds of this plan
 
-    def sample(names: list[str]) -> list:  # a failed episode comes back invalid, never ending the step
+    def sample(names: list[str]) -> list[Episode]:  # a failed episode comes back invalid, never ending the step
         tasks = [by_name[name] for name in names]
         if g.harness == "harbor":  # Harbor's trials; terminus-2's rollout details are the tokens trained on
             from tbexp.episodes.harbor_trials import run_trials
@@ -276,22 +255,30 @@ def _rollouts(job: Any, plan: Plan, by_name: dict, sampler, stop=None) -> Rollou
     )
     valid = [ep for ep in episodes if not ep.invalid]
     # the sampler's busy wall time (batches run one at a time); without a batch queue, each episode's waits summed
-    sample_s = runtime.queue.busy_s if runtime.queue is not None else sum(ep.sampled.sample_s for ep in valid)
+    sample_s = runtime.queue.busy_s if runtime.queue is not None else sum(_sampled(ep).sample_s for ep in valid)
     return Rollouts(plan, episodes, replaced, time.perf_counter() - clock, sample_s)
 
 
-def _solved_by_task(episodes: list) -> dict[str, list[bool]]:
+def _sampled(ep: Episode) -> SampledTokens:
+    """A GRPO episode's sampled tokens (policy=model: every episode has them)."""
+    assert ep.sampled is not None, f"{ep.task.name} run {ep.run}: a model episode without its sampled tokens"
+    return ep.sampled
+
+
+def _solved_by_task(episodes: list[Episode]) -> dict[str, list[bool]]:
     solved: dict[str, list[bool]] = {}
     for ep in episodes:
         solved.setdefault(ep.task.name, [])
         if not ep.invalid:
-            solved[ep.task.name].append(bool(ep.report.strict))
+            solved[ep.task.name].append(bool(ep.report and ep.report.strict))  # a valid episode has its report
     return solved
 
 
-def _control_metrics(g: Any, rollouts: Rollouts, pool: DifficultyPool, pipeline: RolloutPipeline | None) -> dict:
+def _control_metrics(
+    g: GRPOConfig, rollouts: Rollouts, pool: DifficultyPool, pipeline: RolloutPipeline | None
+) -> dict[str, float]:
     """The pipeline's and the difficulty control's numbers, each only when that part is on (the default logs none)."""
-    metrics = {}
+    metrics: dict[str, float] = {}
     if pipeline is not None:
         metrics["rollout/off_policy_steps"] = float(rollouts.plan.step - rollouts.plan.version)
         metrics["rollout/stale_requeued"] = float(pipeline.requeued)
@@ -305,7 +292,7 @@ def _control_metrics(g: Any, rollouts: Rollouts, pool: DifficultyPool, pipeline:
     return metrics
 
 
-def _step(job: Any, backend, reference, rollouts: Rollouts, step: int) -> dict[str, float]:
+def _step(job: Job, backend: TrainingBackend, reference: Any, rollouts: Rollouts, step: int) -> dict[str, float]:
     """One step's update on its rollouts, and the step's numbers."""
     from tinker import types
 
@@ -331,12 +318,12 @@ def _step(job: Any, backend, reference, rollouts: Rollouts, step: int) -> dict[s
         opt = backend.optim_step(
             types.AdamParams(learning_rate=lr, weight_decay=g.weight_decay, grad_clip_norm=g.grad_clip_norm)
         )
-        fb, opt = fb.result(), opt.result()
+        fb_result, opt_result = fb.result(), opt.result()
         train_metrics = {
-            "train/loss": fb.loss,
+            "train/loss": fb_result.loss,
             "optim/lr": lr,
-            **{f"train/{k}": v for k, v in fb.metrics.items()},
-            **{f"optim/{k}": v for k, v in opt.items()},
+            **{f"train/{k}": v for k, v in fb_result.metrics.items()},
+            **{f"optim/{k}": v for k, v in opt_result.items()},
         }
     train_s = time.perf_counter() - clock
 
@@ -347,7 +334,7 @@ def _step(job: Any, backend, reference, rollouts: Rollouts, step: int) -> dict[s
         "time/sample": rollouts.sample_s,
         # sandbox-seconds, summed over the episodes that ran concurrently: starts, commands and stops; then tests
         "time/env": sum(
-            ep.time_s.get("start", 0) + ep.time_s.get("agent", 0) + ep.time_s.get("stop", 0) - ep.sampled.sample_s
+            ep.time_s.get("start", 0) + ep.time_s.get("agent", 0) + ep.time_s.get("stop", 0) - _sampled(ep).sample_s
             for ep in valid
         ),
         "time/verify": sum(ep.time_s.get("verify", 0) for ep in valid),
@@ -366,7 +353,9 @@ def _step(job: Any, backend, reference, rollouts: Rollouts, step: int) -> dict[s
     }
 
 
-def _evaluate(job: Any, out: Path, backend, state: dict, tracker: Tracker, step: int) -> None:
+def _evaluate(
+    job: Job, out: Path, backend: TrainingBackend, state: dict[str, Any], tracker: Tracker, step: int
+) -> None:
     from tbexp.stages.eval import evaluate
 
     cfg = job.cfg
@@ -382,7 +371,7 @@ def _evaluate(job: Any, out: Path, backend, state: dict, tracker: Tracker, step:
     _report(cfg, state["evals"], step)
 
 
-def _report(cfg: Any, evals: list[dict], step: int) -> None:
+def _report(cfg: Config, evals: list[dict[str, Any]], step: int) -> None:
     """Tell the job's sweep trial, if any, where it stands; the sweep's pruner may stop the job here (TrialPruned).
 
     A sweep prunes on one of two signals (its pruner.metric): eval/reward, the held-out reward at this step,
@@ -394,7 +383,7 @@ def _report(cfg: Any, evals: list[dict], step: int) -> None:
     trial.report(cfg, "grpo/best_reward", peak(evals)["eval/reward"], step)
 
 
-def _drop_unless_kept(checkpoint: str, state: dict) -> None:
+def _drop_unless_kept(checkpoint: str, state: dict[str, Any]) -> None:
     """Delete a superseded per-step checkpoint unless an eval keeps it (local paths only). With pipelined rollouts,
     one that a planned step still samples from waits in state["held"] until no plan needs it."""
     planned = {plan["checkpoint"] for plan in state.get("plans", [])}
@@ -412,13 +401,13 @@ def _drop_unless_kept(checkpoint: str, state: dict) -> None:
         state["held"] = held
 
 
-def _save(state: dict, path: Path) -> None:
+def _save(state: dict[str, Any], path: Path) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(state, indent=1))
     tmp.replace(path)
 
 
-def _curve_table(evals: list[dict], best_step: int) -> str:
+def _curve_table(evals: list[dict[str, Any]], best_step: int) -> str:
     lines = [f"{'step':>5} {'reward':>7} {'strict':>7} {'valid':>6} {'turns':>6}"]
     for e in evals:
         mark = "  <- peak" if e["step"] == best_step else ""

@@ -37,11 +37,14 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from tbexp.episodes.difficulty import group_spreads
 from tbexp.jobs.schedule import epoch_batch
 from tbexp.seeds import stream
+
+if TYPE_CHECKING:
+    from tbexp.episodes.rollout import Episode
 
 
 @dataclass(frozen=True)
@@ -53,10 +56,10 @@ class Plan:
     spares: list[str] = field(default_factory=list)  # tasks tried, in order, in place of flat groups
 
     @classmethod
-    def load(cls, saved: dict) -> Plan:
+    def load(cls, saved: dict[str, Any]) -> Plan:
         return cls(**saved)
 
-    def dump(self) -> dict:
+    def dump(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -78,7 +81,7 @@ def make_plan(
 @dataclass
 class Rollouts:
     plan: Plan
-    episodes: list
+    episodes: list[Episode]
     replaced: int = 0  # fresh groups sampled in place of flat ones
     rollout_s: float = 0.0  # wall clock of the sampling, on whichever thread ran it
     sample_s: float = 0.0  # of which the sampler was busy
@@ -86,10 +89,10 @@ class Rollouts:
 
 def sample_groups(
     plan: Plan,
-    sample: Callable[[list[str]], list],
-    rewards_of: Callable[[list], dict[int, float]],
+    sample: Callable[[list[str]], list[Episode]],
+    rewards_of: Callable[[list[Episode]], dict[int, float]],
     max_replaced: int,
-) -> tuple[list, int]:
+) -> tuple[list[Episode], int]:
     """The plan's groups, plus fresh groups from its spares in place of flat ones (at most `max_replaced`).
 
     `sample(names)` runs one group per task name; `rewards_of(episodes)` scores them (keyed by id(episode)).
@@ -108,7 +111,7 @@ def sample_groups(
     return episodes, replaced
 
 
-def _flat_groups(episodes: list, rewards: dict[int, float]) -> int:
+def _flat_groups(episodes: list[Episode], rewards: dict[int, float]) -> int:
     """How many task groups among `episodes` teach nothing (rewards that do not spread, or no valid episode)."""
     groups: dict[str, list[float]] = {}
     for ep in episodes:
@@ -128,7 +131,7 @@ class RolloutPipeline:
         self.bound = bound
         self._run = run
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grpo-rollouts")
-        self._inflight: dict[int, tuple[Plan, Future]] = {}
+        self._inflight: dict[int, tuple[Plan, Future[Rollouts]]] = {}
         self._stop = threading.Event()
         self.launched = -1  # the latest step launched
         self.requeued = 0  # saved plans older than the bound, planned again

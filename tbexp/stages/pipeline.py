@@ -9,14 +9,17 @@ at peak held-out reward) → eval of that checkpoint → the base / SFT / SFT+RL
 table, printed and saved (`table.md`), the RL curve (`rl_curve.png`) and
 `summary.json` = {"base": …, "sft": …, "rl": …, plus each part's own numbers}.
 
-Each part works in its own folder under the run directory and resumes there;
-`pipeline_state.json` records the parts already done, so re-running the same
-command in the same directory continues where it stopped. SFT and the base
-and SFT evals work in folders under the cache named by a hash of everything
-that decides them (`pipeline.cache_sft`, `pipeline.cache_evals`), which the
-run's `sft`, `eval_base` and `eval_sft` link to: runs and sweep trials that
-share them train and score them once. The job's value
-(what a sweep optimises) is the final held-out reward.
+Each step is a call that takes typed values and returns one (`Trajectories`,
+`SFTResult`, `Scores`, `Selection`, `RLResult`). `Steps` runs them: each result
+is kept in `pipeline_state.json` as its `summary()` when the step finishes, and
+a re-run of the same command in the same directory rebuilds it from there
+(`from_summary`) instead of redoing the step. Each part works in its own folder
+under the run directory and resumes there. SFT and the base, SFT and incumbent
+evals work in folders under the cache named by everything that decides them
+(`tbexp.caches`; `pipeline.cache_sft`, `pipeline.cache_evals`), which the run's
+`sft`, `eval_base` and `eval_sft` link to: runs and sweep trials that share
+them train and score them once. The job's value (what a sweep optimises) is the
+final held-out reward.
 """
 
 from __future__ import annotations
@@ -24,216 +27,156 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar
 
-from tbexp.content_key import content_key, resolved, sandbox_part, task_contents
-from tbexp.episodes.promotion import promotion, read_records
-from tbexp.jobs.tracking import write_summary
+from tbexp import caches
+from tbexp.episodes.promotion import read_records
+from tbexp.stages import collect, grpo, sft
+from tbexp.stages.collect import Trajectories
+from tbexp.stages.eval import Scores, evaluate_checkpoint, report
+from tbexp.stages.filter import NoTasksKept, Selection, rl_tasks, select_for_rl
+from tbexp.stages.grpo import RLResult
+from tbexp.stages.sft import SFTResult
+
+if TYPE_CHECKING:
+    from tbexp.job import Job
+    from tbexp.tasks.harbor_task import Task
 
 log = logging.getLogger(__name__)
+# Each held-out row's folder in the run directory, and the step that scores it in pipeline_state.json.
 EVAL_FOLDERS = {"base": "eval_base", "sft": "eval_sft", "incumbent": "eval_incumbent", "rl": "eval_final"}
 EVAL_FOLDERS["final"] = "eval_final"
+ROW_STEPS = {
+    "base": "base",
+    "sft": "sft_eval",
+    "incumbent": "incumbent_eval",
+    "rl": "final_eval",
+    "final": "final_eval",
+}
 
 
-def run(job: Any) -> dict[str, float]:
-    from tbexp.stages import collect, grpo, sft
-    from tbexp.stages import filter as filter_stage
-    from tbexp.stages.eval import evaluate_checkpoint
-
-    cfg, out = job.cfg, job.run_dir
-    done = _Done(out / "pipeline_state.json")
-    parts = cfg.pipeline.stages
-    checkpoint = cfg.load_checkpoint  # "" = the base model
-    data = Path(cfg.sft.data) if cfg.sft.data else None
-    rl_tasks = None  # without a filter part: as stage=grpo chooses them (grpo.rl_tasks)
-
-    if "collect" in parts:
-        data = Path(
-            done.get("collect", lambda: {"collect/data": str(collect.oracle_trajectories(job))})["collect/data"]
-        )
+def run(job: Job) -> dict[str, float]:
+    parts, out, steps = job.cfg.pipeline.stages, job.run_dir, Steps(job.run_dir / "pipeline_state.json")
+    start = checkpoint = job.cfg.load_checkpoint  # "" = the base model
+    tasks: list[Task] = []  # the RL tasks: the filter part's, else as stage=grpo chooses them (filter.rl_tasks)
+    data = steps.run("collect", Trajectories.from_summary, _oracle_turns, job) if "collect" in parts else None
     if "sft" in parts:
-        folder = _sft_folder(job, out, data)
-        trained = done.get(
-            "sft_training",
-            lambda: _one_at_a_time(
-                folder, lambda: sft.train(job, data or collect.oracle_trajectories(job), folder).summary()
-            ),
-        )
-        checkpoint = sft.SFTResult.from_summary(trained).checkpoint
-        done.get("base", lambda: _eval_once(job, out, "eval_base", cfg.load_checkpoint, label="base"))
-        done.get("sft_eval", lambda: _eval_once(job, out, "eval_sft", checkpoint, label="sft"))
+        checkpoint = steps.run("sft_training", SFTResult.from_summary, _sft, job, data).checkpoint
+        steps.run("base", Scores.from_summary, _held_out, job, "base", start)
+        steps.run("sft_eval", Scores.from_summary, _held_out, job, "sft", checkpoint)
     try:  # the filter part, or stage=grpo's own filter when there is none, may keep no RL task
         if "filter" in parts:
-            selection = filter_stage.Selection.from_summary(
-                done.get("filter", lambda: filter_stage.select_for_rl(job, out / "filter", checkpoint).summary())
-            )
-            rl_tasks = grpo.kept_tasks(job, selection.path)
-        if "grpo" in parts and rl_tasks is None:
-            rl_tasks = grpo.rl_tasks(job, checkpoint, out / "grpo")
-    except grpo.NoTasksKept:
-        _report(job, out, done, parts)  # the rows done so far stand; the error says what to change
+            restore = partial(Selection.from_summary, candidates=job.tasks("rl"))
+            selection = steps.run("filter", restore, select_for_rl, job, out / "filter", checkpoint)
+            tasks = selection.rl_tasks(job.cfg.task_filter)
+        elif "grpo" in parts:
+            tasks = rl_tasks(job, checkpoint, out / "grpo")
+    except NoTasksKept:
+        _report(job, steps)  # the rows done so far stand; the error says what to change
         raise
     if "grpo" in parts:
-        rl = grpo.RLResult.from_summary(
-            done.get("grpo", lambda: grpo.train(job, checkpoint, rl_tasks, out / "grpo").summary())
-        )
-        checkpoint = rl.checkpoint
-        if (out / "grpo" / "grpo.png").exists():
-            shutil.copyfile(out / "grpo" / "grpo.png", out / "rl_curve.png")
+        checkpoint = steps.run("grpo", RLResult.from_summary, _rl, job, checkpoint, tasks).checkpoint
     if "eval" in parts and ("grpo" in parts or "sft" not in parts):  # an SFT-only pipeline's last row is the sft row
-        label = "sft+rl" if "grpo" in parts else "final"
-        done.get(
-            "final_eval", lambda: evaluate_checkpoint(job, out / "eval_final", checkpoint, label=label, quiet=True)
-        )
+        steps.run("final_eval", Scores.from_summary, _held_out, job, "rl" if "grpo" in parts else "final", checkpoint)
+    if job.cfg.eval.incumbent and "final_eval" in steps:  # a named checkpoint the last row must beat
+        steps.run("incumbent_eval", Scores.from_summary, _held_out, job, "incumbent", job.cfg.eval.incumbent)
+    return _report(job, steps)
 
-    if cfg.eval.incumbent and "final_eval" in done.results:  # a named checkpoint the last row must beat
-        done.get("incumbent_eval", lambda: _eval_once(job, out, "eval_incumbent", cfg.eval.incumbent, "incumbent"))
 
-    rows = _report(job, out, done, parts)
+def _oracle_turns(job: Job) -> Trajectories:
+    """The oracle's verified turns on the SFT tasks, collected once per content (collect.oracle_trajectories)."""
+    return Trajectories(collect.oracle_trajectories(job), {})
+
+
+def _sft(job: Job, data: Trajectories | None) -> SFTResult:
+    """SFT on `data` (else `sft.data`, else the oracle's turns) in the run's `sft` folder, or, with
+    `pipeline.cache_sft`, in a folder under the cache that it links to (tbexp.caches.sft_folder), one job at a time:
+    a second job with the same SFT waits, then resumes the finished run."""
+    path = data.path if data else Path(job.cfg.sft.data) if job.cfg.sft.data else collect.oracle_trajectories(job)
+    folder = caches.sft_folder(job, path, job.run_dir / "sft")
+    return caches.one_at_a_time(folder, sft.train, job, path, folder)
+
+
+def _held_out(job: Job, row: str, checkpoint: str) -> Scores:
+    """Row `row` of the table: `checkpoint` ("" = the base model) scored on the held-out tasks in its folder of the
+    run directory. The base, SFT and incumbent rows, with `pipeline.cache_evals`, once per content: in a folder under
+    the cache that it links to (tbexp.caches.eval_folder), so sweep trials that share an SFT setting score them once."""
+    label, out = ("sft+rl" if row == "rl" else row), job.run_dir / EVAL_FOLDERS[row]
+    if row in ("rl", "final") or not job.cfg.pipeline.cache_evals:
+        return Scores(evaluate_checkpoint(job, out, checkpoint, label=label, quiet=True))
+    folder = caches.eval_folder(job, checkpoint, label, out)
+    return Scores(caches.one_at_a_time(folder, _scored_once, job, folder, checkpoint, label))
+
+
+def _scored_once(job: Job, folder: Path, checkpoint: str, label: str) -> dict[str, float]:
+    result = folder / "result.json"
+    if result.exists() and read_records(folder) is not None:  # an older cache without records is redone
+        log.info("pipeline: the %s row from the cache %s", label, folder)
+        metrics: dict[str, float] = json.loads(result.read_text())
+        return metrics
+    metrics = evaluate_checkpoint(job, folder, checkpoint, label=label, quiet=True)
+    result.write_text(json.dumps(metrics))
+    return metrics
+
+
+def _rl(job: Job, start: str, tasks: list[Task]) -> RLResult:
+    """GRPO from `start` on `tasks` in the run's `grpo` folder; its curve is the run's `rl_curve.png`."""
+    out = job.run_dir / "grpo"
+    result = grpo.train(job, start, tasks, out)
+    if (out / "grpo.png").exists():
+        shutil.copyfile(out / "grpo.png", job.run_dir / "rl_curve.png")
+    return result
+
+
+def _report(job: Job, steps: Steps) -> dict[str, float]:
+    """The table of the rows done so far (tbexp.stages.eval.report) with each other step's numbers; the last row's."""
+    parts = job.cfg.pipeline.stages
+    names = [row for row in ROW_STEPS if row != ("final" if "grpo" in parts else "rl")]  # base, sft, incumbent, last
+    rows = {row: steps.summaries[ROW_STEPS[row]] for row in names if ROW_STEPS[row] in steps}
+    others = {name: result for name, result in steps.summaries.items() if name not in ROW_STEPS.values()}
+    report(job, job.run_dir, rows, others, {row: job.run_dir / EVAL_FOLDERS[row] for row in rows})
     final = list(rows.values())[-1] if rows else {}
     return {k: v for k, v in final.items() if isinstance(v, float)}
 
 
-def _report(job: Any, out: Path, done: _Done, parts: Any) -> dict[str, dict[str, float]]:
-    """The table of the rows done so far, printed and saved with `summary.json`, and sent to the tracker."""
-    from tbexp.stages.eval import compare
-
-    cfg = job.cfg
-    names = {"base": "base", "sft_eval": "sft", "incumbent_eval": "incumbent"}
-    names["final_eval"] = "rl" if "grpo" in parts else "final"
-    rows = {name: done.results[key] for key, name in names.items() if key in done.results}
-    summary = {**rows, **{k: v for k, v in done.results.items() if k not in names}}
-    table = compare(rows) if rows else "no eval rows (pipeline.stages has no eval part)"
-    if len(rows) > 1:
-        summary["promotion"] = _gate(cfg.eval, rows, {name: read_records(out / EVAL_FOLDERS[name]) for name in rows})
-        table += "\n" + summary["promotion"]["message"]
-    write_summary(out, summary)
-    (out / "table.md").write_text(
-        _markdown(rows) + ("\n" + summary["promotion"]["message"] + "\n" if "promotion" in summary else "")
-        if rows
-        else table + "\n"
-    )
-    print(table)
-    tracker = job.tracker(out)
-    tracker.log({f"{name}/{k}": v for name, metrics in rows.items() for k, v in metrics.items()})
-    tracker.finish()
-    print(f"run directory: {out}")
-    return rows
+class Persisted(Protocol):
+    def summary(self) -> dict[str, Any]: ...
 
 
-def _gate(settings: Any, rows: dict[str, dict[str, float]], records: dict[str, Any]) -> dict[str, Any]:
-    """The last row against the incumbent: `eval.incumbent`'s row when named, else the row before the last
-    (SFT, for the whole recipe; base when there is no SFT row), paired on the same tasks and draws."""
-    last = list(rows)[-1]
-    incumbent = "incumbent" if "incumbent" in rows else list(rows)[-2]
-    pair = {incumbent: rows[incumbent], last: rows[last]}
-    return promotion(pair, settings.promote_by, settings.promote_margin, settings.promote_z, records)
+P = ParamSpec("P")
+R = TypeVar("R", bound=Persisted)
 
 
-def _sft_folder(job: Any, out: Path, data: Path | None) -> Path:
-    """Where SFT trains: with `pipeline.cache_sft`, a folder named by everything that decides its result.
-
-    Sweep trials (or re-runs) that share model, backend, SFT settings, data, tasks,
-    seed and code then reuse one training instead of repeating it; `<run>/sft` links there.
-    """
-    cfg = job.cfg
-    if not cfg.pipeline.cache_sft:
-        return out / "sft"
-    decided_by = {k: resolved(cfg[k]) for k in ("model", "sft", "agent", "tasks", "backend")}
-    decided_by["tasks"].pop("split", None)  # the eval split does not change what SFT trains on
-    for key in ("threads", "train_threads"):  # torch's thread counts: bit-identical losses
-        decided_by["backend"].pop(key, None)
-    decided_by["sft"]["data"] = str(data) if data else ""
-    decided_by["seed"] = cfg.seed
-    contents = [data.read_bytes()] if data and data.is_file() else []
-    return _shared_folder(job, out / "sft", "sft", content_key(decided_by, contents))
-
-
-def _eval_once(job: Any, out: Path, name: str, checkpoint: str, label: str) -> dict[str, float]:
-    """The held-out eval of `checkpoint` ("" = the base model) in `out/name`.
-
-    With `pipeline.cache_evals` it runs once per content: in a folder named by
-    everything that decides it (the checkpoint's files, model, tasks and their
-    directories, agent, sandbox, sampling and eval settings, reward, backend, seed,
-    code), which `out/name` links to, so sweep trials that share an SFT setting
-    score base and SFT once.
-    """
-    from tbexp.build import checkpoint_bytes
-    from tbexp.stages.eval import evaluate_checkpoint
-
-    cfg = job.cfg
-    if not cfg.pipeline.cache_evals:
-        return evaluate_checkpoint(job, out / name, checkpoint, label=label, quiet=True)
-    decided_by = {k: resolved(cfg[k]) for k in ("model", "tasks", "agent", "sampling", "eval", "reward", "backend")}
-    decided_by["sandbox"] = sandbox_part(cfg.sandbox)
-    # Left out: how many episodes run at once (each reply's seed is its own), torch's thread counts and the promotion
-    # gate's settings change no eval's result.
-    for key in ("concurrency", "candidates", "promote_by", "promote_margin", "promote_z", "incumbent"):
-        decided_by["eval"].pop(key, None)
-    for key in ("threads", "train_threads", "share_cores"):
-        decided_by["backend"].pop(key, None)
-    decided_by.update(seed=cfg.seed, checkpoint=checkpoint, label=label)
-    contents = [*task_contents(job.tasks("heldout")), *checkpoint_bytes(checkpoint)]
-    folder = _shared_folder(job, out / name, "evals", content_key(decided_by, contents))
-
-    def work() -> dict[str, float]:
-        result = folder / "result.json"
-        if result.exists() and read_records(folder) is not None:  # an older cache without records is redone
-            log.info("pipeline: the %s row from the cache %s", label, folder)
-            return json.loads(result.read_text())
-        metrics = evaluate_checkpoint(job, folder, checkpoint, label=label, quiet=True)
-        result.write_text(json.dumps(metrics))
-        return metrics
-
-    return _one_at_a_time(folder, work)
-
-
-def _shared_folder(job: Any, link: Path, kind: str, key: str) -> Path:
-    """`<cache>/<kind>/<key>`, created, with `link` pointing there."""
-    folder = job.cache_dir / kind / key
-    folder.mkdir(parents=True, exist_ok=True)
-    if not link.exists():
-        link.symlink_to(folder, target_is_directory=True)
-    return folder
-
-
-def _one_at_a_time(folder: Path, work: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """Run `work` holding a lock on `folder`: a second trial with the same SFT waits, then resumes the finished run."""
-    import fcntl
-
-    with open(folder / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        return work()
-
-
-class _Done:
-    """Results of the parts already finished, kept in a json file so a re-run skips them."""
+class Steps:
+    """The pipeline's finished steps, each result kept as its `summary()` in a json file as the step finishes, so
+    a re-run rebuilds the result (`restore`) instead of redoing the step."""
 
     def __init__(self, path: Path):
         self.path = path
-        self.results: dict[str, dict[str, Any]] = json.loads(path.read_text()) if path.exists() else {}
+        self.summaries: dict[str, dict[str, Any]] = json.loads(path.read_text()) if path.exists() else {}
 
-    def get(self, part: str, work: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-        if part not in self.results:
-            self.results[part] = work()
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(self.results, indent=1))
-            tmp.replace(self.path)
-        else:
-            log.info("pipeline: %s already done in this run directory", part)
-        return self.results[part]
+    def __contains__(self, name: str) -> bool:
+        return name in self.summaries
 
-
-def _markdown(rows: dict[str, dict[str, float]]) -> str:
-    from tbexp.stages.eval import ROW_METRICS
-
-    keys = [(label, key) for key, label in ROW_METRICS.items()]
-    lines = ["| held-out | " + " | ".join(label for label, _ in keys) + " |", "|---" * (len(keys) + 1) + "|"]
-    for name, m in rows.items():
-        cells = [
-            f"{m[k]:.3f}" if k != "eval/pass@1" else f"{m[k]:.3f} ± {m['eval/pass@1_stderr']:.3f}" for _, k in keys
-        ]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    def run(
+        self,
+        name: str,
+        restore: Callable[[dict[str, Any]], R],
+        work: Callable[P, R],
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> R:
+        """`work(*args, **kwargs)`, or its result rebuilt by `restore` when step `name` finished before."""
+        if name in self.summaries:
+            log.info("pipeline: %s already done in this run directory", name)
+            return restore(self.summaries[name])
+        result = work(*args, **kwargs)
+        self.summaries[name] = result.summary()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.summaries, indent=1))
+        tmp.replace(self.path)
+        return result

@@ -27,7 +27,7 @@ import logging
 import random
 from itertools import groupby
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tbexp.job import TrainedCheckpoint
 from tbexp.jobs.preemption import interruptible
@@ -35,6 +35,13 @@ from tbexp.jobs.schedule import epoch_batch, learning_rate
 from tbexp.jobs.tracking import write_summary
 from tbexp.seeds import stream
 from tbexp.study import trial
+
+if TYPE_CHECKING:
+    from tinker.types import Datum
+
+    from tbexp.backends.base import TrainingBackend
+    from tbexp.job import Job
+    from tbexp.models.renderers import Renderer
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +52,7 @@ class SFTResult(TrainedCheckpoint):
     KEY = "sft/checkpoint"
 
 
-def run(job: Any) -> dict[str, float]:
+def run(job: Job) -> dict[str, float]:
     from tbexp.stages.collect import oracle_trajectories
     from tbexp.stages.eval import compare, evaluate_checkpoint
 
@@ -60,7 +67,7 @@ def run(job: Any) -> dict[str, float]:
     return {**result.summary(), **summary.get("sft", {})}
 
 
-def train(job: Any, data: Path, out: Path) -> SFTResult:
+def train(job: Job, data: Path, out: Path) -> SFTResult:
     """Run (or resume) SFT in `out` on the conversations in `data`; the checkpoint is chosen by held-out NLL."""
     from tinker import types
     from tqdm import trange
@@ -70,7 +77,7 @@ def train(job: Any, data: Path, out: Path) -> SFTResult:
 
     cfg, s = job.cfg, job.cfg.sft
     state_path = out / "sft_state.json"
-    state = json.loads(state_path.read_text()) if state_path.exists() else {"step": 0, "evals": []}
+    state: dict[str, Any] = json.loads(state_path.read_text()) if state_path.exists() else {"step": 0, "evals": []}
 
     conversations = read_conversations(data)
     backend = job.models.trainer(out / "checkpoints")
@@ -95,9 +102,10 @@ def train(job: Any, data: Path, out: Path) -> SFTResult:
         opt = backend.optim_step(
             types.AdamParams(learning_rate=lr, weight_decay=s.weight_decay, grad_clip_norm=s.grad_clip_norm)
         )
-        fb, opt = fb.result(), opt.result()
+        fb_result, opt_result = fb.result(), opt.result()
+        train_nll = fb_result.loss / max(fb_result.n_tokens, 1.0)
         tracker.log(
-            {"train/nll": fb.loss / max(fb.n_tokens, 1.0), "optim/lr": lr, **{f"optim/{k}": v for k, v in opt.items()}},
+            {"train/nll": train_nll, "optim/lr": lr, **{f"optim/{k}": v for k, v in opt_result.items()}},
             step=step + 1,
         )
         done = step + 1 == s.steps
@@ -137,14 +145,19 @@ def train(job: Any, data: Path, out: Path) -> SFTResult:
     return SFTResult(best["checkpoint"], metrics, {exported.kind: exported.path})
 
 
-def _datums(conversations, renderer, max_len: int, overlong: str, val_fraction: float, seed: int):
+Conversation = list[dict[str, str]]
+
+
+def _datums(
+    conversations: list[Conversation], renderer: Renderer, max_len: int, overlong: str, val_fraction: float, seed: int
+) -> tuple[list[Datum], list[Datum], dict[str, int], list[int]]:
     from tinker import types
 
     train_rows, val_rows = _split(conversations, val_fraction, seed)
     dropped, truncated = 0, 0
     reply_lengths: list[int] = []  # every reply's tokens, end of turn included, before any truncation
 
-    def render(rows):
+    def render(rows: list[Conversation]) -> list[Datum]:
         nonlocal dropped, truncated
         datums = []
         for messages in rows:
@@ -162,7 +175,8 @@ def _datums(conversations, renderer, max_len: int, overlong: str, val_fraction: 
             datums.append(
                 types.Datum(
                     model_input=types.ModelInput.from_ints(tokens[:-1]),
-                    loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights[1:]},
+                    # lists, which the Datum turns into TensorData on construction
+                    loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights[1:]},  # type: ignore[dict-item]
                 )
             )
         return datums
@@ -210,7 +224,9 @@ def _warn_of_long_replies(lengths: list[int], max_tokens: int) -> None:
         )
 
 
-def _split(conversations: list, val_fraction: float, seed: int) -> tuple[list, list]:
+def _split(
+    conversations: list[Conversation], val_fraction: float, seed: int
+) -> tuple[list[Conversation], list[Conversation]]:
     """Hold out `val_fraction` of the conversations for NLL, shuffled by `seed`.
 
     A conversation goes to the held-out side only if every word of its replies
@@ -228,7 +244,7 @@ def _split(conversations: list, val_fraction: float, seed: int) -> tuple[list, l
         Counter(w for m in c if m["role"] == "assistant" for w in re.findall(r"[A-Za-z0-9_]+", m["content"]))
         for c in conversations
     ]
-    in_train = Counter()
+    in_train: Counter[str] = Counter()
     for counts in words:
         in_train.update(counts.keys())
     order = list(range(len(conversations)))
@@ -247,7 +263,7 @@ def _split(conversations: list, val_fraction: float, seed: int) -> tuple[list, l
     return [c for i, c in enumerate(conversations) if i not in chosen], [conversations[i] for i in sorted(chosen)]
 
 
-def _save_resume_point(backend, state: dict, state_path: Path, steps_done: int) -> None:
+def _save_resume_point(backend: TrainingBackend, state: dict[str, Any], state_path: Path, steps_done: int) -> None:
     """A checkpoint to resume from after `steps_done` steps (save_every, SLURM's signal); not a candidate to choose."""
     if state["step"] == steps_done:  # this step's evaluation saved one already
         return
@@ -255,12 +271,12 @@ def _save_resume_point(backend, state: dict, state_path: Path, steps_done: int) 
     state_path.write_text(json.dumps(state, indent=1))
 
 
-def _nll(backend, val: list) -> float:
+def _nll(backend: TrainingBackend, val: list[Datum]) -> float:
     result = backend.forward(val, "cross_entropy").result()
-    return result.loss / max(result.n_tokens, 1.0)
+    return float(result.loss / max(result.n_tokens, 1.0))
 
 
-def _stalled(evals: list[dict], patience: int) -> bool:
+def _stalled(evals: list[dict[str, Any]], patience: int) -> bool:
     if not patience or len(evals) <= patience:
         return False
     best_index = min(range(len(evals)), key=lambda i: evals[i]["val_nll"])
