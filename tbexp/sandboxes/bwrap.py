@@ -71,13 +71,16 @@ class BwrapSandbox(Sandbox):
     def prepare(cls, settings, task) -> None:
         bwrap_environment(task, settings)
 
+    # The session sandbox (bwrap_session.py), a subclass of this one: named, as configs name a sandbox, not imported.
+    SERVICE_SANDBOX = "tbexp.sandboxes.bwrap_session.BwrapSessionSandbox"
+
     @classmethod
     def for_task(cls, settings, task) -> BwrapSandbox:
         """A task whose image starts a service gets the session sandbox: its execs share the service's namespaces."""
-        from tbexp.sandboxes.bwrap_session import BwrapSessionSandbox
-
         if cls is BwrapSandbox and _starts_service(task, settings):
-            return BwrapSessionSandbox(settings, task)
+            from hydra.utils import get_class
+
+            return get_class(cls.SERVICE_SANDBOX)(settings, task)
         return cls(settings, task)
 
     def start(self) -> None:

@@ -32,7 +32,7 @@ import docker
 import requests
 
 from tbexp.sandboxes.base import EnvironmentBuildError, MissingImageError, SandboxError
-from tbexp.sandboxes.dockerfile import context_hash, read_dockerfile
+from tbexp.sandboxes.dockerfile import context_hash, read_dockerfile, usable_image
 
 ENGINE_ERRORS = (docker.errors.DockerException, requests.exceptions.RequestException, OSError)
 
@@ -75,8 +75,6 @@ def _ensure_image(api: docker.APIClient, task, settings) -> str:
     the same EnvironmentBuildError instead of building again. Where a `docker_image` the engine lacks is built
     from its Dockerfile instead and that fails too, the error says both.
     """
-    from tbexp.sandboxes.environments import usable_image
-
     prebuilt, note = usable_image(task, "", lambda image: has_image(api, image))
     try:
         return _ensure_tag(api, task, settings, prebuilt, note)

@@ -18,8 +18,10 @@ import json
 import os
 import re
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tbexp.sandboxes.base import EnvironmentBuildError
 
@@ -244,3 +246,19 @@ def _logical_lines(text: str, path: Path) -> list[tuple[int, str]]:
     if pending:
         out.append((start, pending.strip()))
     return out
+
+
+def usable_image(task: Any, base_image: str, has: Callable[[str], bool]) -> tuple[str, str]:
+    """(the prebuilt image to run, '' to build environment/Dockerfile; why the image is not run, or '').
+
+    The image runs where it can be had (the base image, or `has(image)`: an engine holding it, a stand-in for it),
+    as Harbor runs a prebuilt image before it builds; where it cannot and the task ships the Dockerfile it was built
+    from, the Dockerfile is built, as `harbor run --force-build` builds it. Without a Dockerfile the image is all
+    there is (and an error names it).
+    """
+    image = getattr(task, "docker_image", "") or ""
+    if not image or not (task.environment_dir / "Dockerfile").is_file():
+        return image, ""
+    if image == base_image or has(image):
+        return image, ""
+    return "", f"docker_image {image} cannot be had offline"

@@ -54,6 +54,7 @@ from tbexp.sandboxes.dockerfile import (
     context_hash,
     parse_env,
     read_dockerfile,
+    usable_image,
 )
 from tbexp.sandboxes.environment_build import ImageConfig, build_stage
 from tbexp.sandboxes.image_start import apply_start
@@ -175,22 +176,6 @@ def _prepare_from(task: Any, settings: Any, docker_image: str, source: str) -> P
     if source == "docker":
         return _from_docker(task, settings)
     return replace(_built(dockerfile, task, settings), source=_source_note(task, image, note))
-
-
-def usable_image(task: Any, base_image: str, has) -> tuple[str, str]:
-    """(the prebuilt image to run, '' to build environment/Dockerfile; why the image is not run, or '').
-
-    The image runs where it can be had (the base image, or `has(image)`: an engine holding it, a stand-in for it),
-    as Harbor runs a prebuilt image before it builds; where it cannot and the task ships the Dockerfile it was built
-    from, the Dockerfile is built, as `harbor run --force-build` builds it. Without a Dockerfile the image is all
-    there is (and an error names it).
-    """
-    image = getattr(task, "docker_image", "") or ""
-    if not image or not (task.environment_dir / "Dockerfile").is_file():
-        return image, ""
-    if image == base_image or has(image):
-        return image, ""
-    return "", f"docker_image {image} cannot be had offline"
 
 
 def _has_stand_in(image: str) -> bool:
