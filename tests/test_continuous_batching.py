@@ -43,9 +43,9 @@ def tiny_model(kind: str, seed: int = 0):
         )
 
 
-def lora_backend(save_dir, kind: str = "qwen3", **kw) -> LocalBackend:
+def lora_backend(save_dir, kind: str = "qwen3", model=None, **kw) -> LocalBackend:
     return LocalBackend(
-        tiny_model(kind),
+        tiny_model(kind) if model is None else model,
         char_tokenizer(),
         lora_rank=4,
         lora_alpha=8.0,

@@ -294,15 +294,15 @@ class ContinuousBatcher:
         self.page_tokens = page_tokens or (32 if kernels == "triton" else 16)
         if kernels == "triton" and self.page_tokens < 16:
             raise ValueError("the Triton attention kernel needs page_tokens >= 16")
-        context = getattr(lm.config, "max_position_embeddings", None) or 4096
-        self.max_seq_tokens = max_seq_tokens or min(context, 32768)
+        self.max_seq_tokens = sequence_limit(lm.config, max_seq_tokens)
         self.max_batch = max_batch
         self.prefill_tokens = prefill_tokens
         self.cuda_graphs = cuda_graphs and on_gpu and kernels == "triton"  # the torch attention syncs on its lengths
         self.max_pages_per_seq = -(-self.max_seq_tokens // self.page_tokens)
-        per_token = 2 * w.n_layers * w.n_kv_heads * w.head_dim * w.embed.element_size()
-        if not kv_cache_tokens:  # 40% of what is free now on a GPU; 64k tokens elsewhere
-            kv_cache_tokens = int(0.4 * torch.cuda.mem_get_info(self.device)[0] / per_token) if on_gpu else 65536
+        if not kv_cache_tokens:  # on a GPU the backend's memory plan sizes the pool (memory_plan.py)
+            if on_gpu:
+                raise ValueError("kv_cache_tokens: on a GPU, give the pool's size (LocalBackend.memory_plan's)")
+            kv_cache_tokens = 65536
         n_pages = max(2, kv_cache_tokens // self.page_tokens + 1)
         shape = (w.n_layers, n_pages, w.n_kv_heads, self.page_tokens, w.head_dim)
         self.k_cache = torch.zeros(shape, dtype=w.dtype, device=self.device)
@@ -846,6 +846,11 @@ class ContinuousBatcher:
 
     def _slot(self, seq: _Sequence, position: int) -> int:
         return seq.pages[position // self.page_tokens] * self.page_tokens + position % self.page_tokens
+
+
+def sequence_limit(config, max_seq_tokens: int = 0) -> int:
+    """The longest sequence a batcher takes: `max_seq_tokens`, else the model's context up to 32k tokens."""
+    return max_seq_tokens or min(getattr(config, "max_position_embeddings", None) or 4096, 32768)
 
 
 def _splits(programs: int, max_pages: int) -> int:
