@@ -188,7 +188,7 @@ class LocalBackendConfig(BackendConfig):
     kv_cache_tokens: int = 0  # continuous_batching: cache tokens; 0 = what the memory plan leaves on a GPU (64k on CPU)
     # on a GPU: the share of its memory the whole job may plan for (weights, a training pass, the KV pool); a job
     # that cannot fit is refused before its first step, with the figures (tbexp/backends/memory_plan.py)
-    gpu_memory_fraction: float = 0.9
+    gpu_memory_fraction: float = 0.85
 
 
 @dataclass

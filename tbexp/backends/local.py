@@ -143,7 +143,7 @@ class LocalBackend(TrainingBackend):
         kv_cache_tokens: int = 0,
         max_concurrent_sequences: int = 256,
         max_sequence_tokens: int = 0,
-        gpu_memory_fraction: float = 0.9,
+        gpu_memory_fraction: float = memory_plan.DEFAULT_FRACTION,
     ):
         _check_plain_lm_head(model.config)
         self.tokenizer = tokenizer

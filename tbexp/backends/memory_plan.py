@@ -47,6 +47,7 @@ from tbexp.backends.logprobs import default_chunk_size
 from tbexp.errors import TbexpError
 
 GIB = 2**30
+DEFAULT_FRACTION = 0.85  # of the card the job plans for: the rest absorbs what the counts below miss
 OVERHEAD_BYTES = GIB  # the CUDA context, cuBLAS workspaces and the allocator's rounding: outside the counts below
 TRAINABLE_BYTES_PER_PARAM = 4 + 4 + 8 + 4  # fp32 weight, its gradient, AdamW's two moments, a sampler snapshot copy
 FP32 = 4
