@@ -1,4 +1,4 @@
-"""One GPU memory budget for the local backend's sampling and training (docs/gpu-sampling.md#one-memory-budget).
+"""One GPU memory budget for the local backend's sampling and training (docs/gpu-sampling.md#one-memory-budget-issue-43).
 
 The local backend samples and trains on one card, one phase after the other. What stays resident through
 both phases: the frozen weights, the continuous batcher's merged decode copy of the decoder's linear layers
