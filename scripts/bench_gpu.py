@@ -331,7 +331,14 @@ def _tokenizer(vocab_size: int):
 def _backend(shape: dict, model, **knobs):
     from tbexp.backends.local import LocalBackend
 
-    knobs = {"dtype": "bfloat16", "microbatch_tokens": shape["batch"] * shape["seq"], **knobs}
+    # The longest sequence any row feeds: the memory plan takes a datum that long as a training pass of its own.
+    longest = max(shape["seq"], shape["cb_prompt"] + shape["host_new"], max(shape["varlen_lengths"]))
+    knobs = {
+        "dtype": "bfloat16",
+        "microbatch_tokens": shape["batch"] * shape["seq"],
+        "max_sequence_tokens": longest,
+        **knobs,
+    }
     return LocalBackend(
         model,
         _tokenizer(model.config.vocab_size),

@@ -92,6 +92,11 @@ def test_a_tiny_layers_activations_and_a_micro_batch_by_hand():
     kept = 1000 * (2 * 2 * 64 + outside)  # each layer's bf16 input
     assert ckpt.activation_bytes(m) == kept + max(head, 1000 * (per_layer + backward)) == 4_112_000
     assert plain.trainable_bytes(m) == 8192 * (4 + 4 + 8 + 4)  # fp32 weight, gradient, Adam's moments, a snapshot
+    # A datum longer than the budget is a micro-batch of its own: the pass is planned at the longest datum.
+    long = replace(plain, longest_datum_tokens=4000)
+    assert long.activation_bytes(m) == replace(plain, microbatch_tokens=4000).activation_bytes(m)
+    with pytest.raises(MemoryPlanError, match=r"lower model.max_length_tokens \(now 4,000"):
+        plan_memory(m, long, Sampling(False, 1, 4000), OVERHEAD_BYTES + 30 * 2**20, 1.0)
 
 
 def test_the_pool_gets_what_the_budget_leaves_and_a_job_that_cannot_fit_is_refused():

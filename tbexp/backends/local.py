@@ -191,6 +191,7 @@ class LocalBackend(TrainingBackend):
                 lora_rank,
                 tuple(lora_targets),
                 logprob_chunk_tokens or 0,
+                longest_datum_tokens=sequence_limit(model.config, max_sequence_tokens),
             ),
             sampling=memory_plan.Sampling(
                 continuous_batching,

@@ -29,7 +29,8 @@ batches by 2·b·(Hq − Hkv)·d), plus outside the layers the final norm and th
 (4·D + 2·b·D) and the loss inputs. With per-layer checkpointing a layer keeps only its input (b·D) and the
 backward recomputes one layer at a time. The backward of a layer adds 2·b·I (its MLP gradients); the loss
 adds 8·C·V bytes (a chunk's fp32 logits and logsumexp temporary, C = logprob_chunk_tokens). A micro-batch is
-taken at its full `microbatch_tokens`. tests/test_memory_plan.py checks these counts against what autograd
+taken at its full `microbatch_tokens`, or at the longest datum's length where that is longer (a datum is never
+split: a longer one is a micro-batch of its own). tests/test_memory_plan.py checks these counts against what autograd
 really saves for a tiny and a Qwen3-1.7B-wide model on the CPU, and the parameter counts against the real
 modules of Qwen3-1.7B and Qwen3-8B built on the meta device.
 
@@ -154,10 +155,16 @@ class Training:
     lora_rank: int  # 0 = full fine-tuning (every weight trains, in fp32)
     lora_targets: tuple[str, ...]
     logprob_chunk_tokens: int = 0  # 0 = logprobs.py's default
+    longest_datum_tokens: int = 0  # model.max_length_tokens: a longer datum than the budget is a micro-batch alone
+
+    @property
+    def pass_tokens(self) -> int:
+        """The most tokens one forward_backward pass holds."""
+        return max(self.microbatch_tokens, self.longest_datum_tokens)
 
     def activation_bytes(self, m: ModelShape) -> int:
         """Peak bytes of one micro-batch's training pass above the resident weights."""
-        t, b = self.microbatch_tokens, m.weight_bytes
+        t, b = self.pass_tokens, m.weight_bytes
         adapted = len(set(self.lora_targets) & set(m.linears())) if self.lora_rank else 0
         layer = m.layer_activation_bytes_per_token(self.lora_rank, adapted)
         if not self.lora_rank:
@@ -279,7 +286,7 @@ def plan_memory(
         kv_tokens=0,
         kv_bytes_per_token=model.kv_bytes_per_token(),
         checkpointing=training.checkpointing,
-        microbatch_tokens=training.microbatch_tokens,
+        microbatch_tokens=training.pass_tokens,
     )
     if not sampling.continuous_batching:
         _refuse_if_over(plan, 0, training)
@@ -330,10 +337,17 @@ def _refuse_if_over(plan: MemoryPlan, min_kv_tokens: int, training: Training) ->
     short = plan.without_kv_bytes + max(plan.kv_tokens, min_kv_tokens) * plan.kv_bytes_per_token - plan.budget_bytes
     if short <= 0:
         return
-    per_1k = (plan.training * 1000) // max(1, training.microbatch_tokens)
-    advice = [
-        f"lower backend.microbatch_tokens (now {training.microbatch_tokens:,}; each 1,000 tokens is about {_gib(per_1k)})"
-    ]
+    per_1k = (plan.training * 1000) // max(1, training.pass_tokens)
+    if training.longest_datum_tokens > training.microbatch_tokens:
+        advice = [
+            f"lower model.max_length_tokens (now {training.longest_datum_tokens:,}: a datum that long is a micro-batch "
+            f"of its own; each 1,000 tokens is about {_gib(per_1k)})"
+        ]
+    else:
+        advice = [
+            f"lower backend.microbatch_tokens (now {training.microbatch_tokens:,}; each 1,000 tokens is about "
+            f"{_gib(per_1k)})"
+        ]
     if not training.checkpointing:
         advice.append("set backend.gradient_checkpointing=true")
     if plan.kv_tokens and min_kv_tokens:
