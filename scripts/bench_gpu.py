@@ -1,8 +1,13 @@
-"""GPU benchmark of the local backend (issues 6, 20): LoRA SFT against TRL, sampling, continuous batching, loss memory.
+"""GPU benchmark of the local backend (issues 6, 20, 43): LoRA SFT against TRL, sampling, continuous batching,
+loss memory, the memory plan and the host's share of a decode step.
 
-    python scripts/bench_gpu.py                  # on one H200: Qwen3-1.7B shape, random weights, 4 × 4096 tokens
-    python scripts/bench_gpu.py --tiny           # a tiny shape on CPU, to check the script itself
-    python scripts/bench_gpu.py --only sft-trl   # one measurement (any of MEASUREMENTS)
+    python scripts/bench_gpu.py                     # on one GPU: Qwen3-1.7B shape, random weights, 4 × 4096 tokens
+    python scripts/bench_gpu.py --shape qwen3-8b    # the Qwen3-8B shape
+    python scripts/bench_gpu.py --shape tiny        # a tiny shape on CPU (also --tiny), to check the script itself
+    python scripts/bench_gpu.py --only sft-trl      # one measurement (any of MEASUREMENTS; --only issue43: ROWS_43)
+    python scripts/bench_gpu.py --shape qwen3-8b --device cpu --only memory-plan --card-gib 79.6   # no GPU needed
+
+Every row names the card it ran on (`card`) and the shape (`shape`): compare figures only within one run.
 
 Every measurement runs in a subprocess of its own, so each peak-memory figure
 is that run's alone (`torch.cuda.max_memory_allocated`, everything the run
@@ -40,6 +45,17 @@ one group at a time (before) or all at once through continuous batching (after).
 the matmuls and the attention alone); `cb-64-lora-unmerged`: the step's linear
 layers with the LoRA deltas merged (as the batcher runs them) against unmerged,
 and the cost of a merge.
+
+Issue 43 (`--only issue43`): the backends run with their defaults (memory plan
+within `gpu_memory_fraction=0.85`, checkpointing where the plan needs it, the
+KV pool the plan leaves); each row adds the plan's figures (planned peak,
+pool, checkpointing) beside the measured peak. `memory-plan`: the plan of the
+GRPO step for this shape on this card (or `--card-gib` on a CPU).
+`train-memory`: a training pass's peak per token of context, checkpointing off
+and on (on a CPU: the bytes autograd saves, no allocator to ask), against the
+plan's. `cb-256-host`: a decode step's host work at 256 rows (step inputs,
+sampler launch, stop checks, scheduling): the thread's CPU time less the
+forward's and the sampler's, which on a CPU compute and on a GPU launch.
 """
 
 from __future__ import annotations
@@ -53,6 +69,7 @@ import sys
 import tempfile
 import time
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -98,37 +115,55 @@ MEASUREMENTS = {
     "cb-64-lora-unmerged": ("lora_unmerged", {"concurrent": 64}),
     "sft-trl-ckpt": ("sft_trl", {"gradient_checkpointing": True}),
     "sft-tbexp-fast-ckpt": ("sft_tbexp", {**FAST, "gradient_checkpointing": True}),
+    "grpo-step-after-nockpt": ("grpo_step", {"continuous": True, "gradient_checkpointing": False}),
+    "memory-plan": ("memory_plan", {}),
+    "train-memory": ("train_memory", {}),
+    "cb-256-host": ("host_work", {"concurrent": 256}),
 }
+# The rows issue 43 asks for, in one run on one card: `--only issue43`.
+ROWS_43 = "env,memory-plan,train-memory,sft-tbexp-eager,grpo-step-after,cb-16,cb-64,cb-256,cb-256-host"
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true", help="tiny shapes on CPU: checks the script, measures nothing")
-    p.add_argument("--only", default="", help="comma-separated measurement names; default: all")
+    p.add_argument(
+        "--shape", default="", choices=sorted(SHAPES), help="model shape (default qwen3-1.7b; tiny = --tiny)"
+    )
+    p.add_argument("--device", default="", help="cuda or cpu (default: cuda, or cpu for the tiny shape)")
+    p.add_argument("--card-gib", type=float, default=0.0, help="memory-plan on a CPU: the card's GiB to plan for")
+    p.add_argument("--only", default="", help="comma-separated measurement names, or issue43; default: all")
     p.add_argument("--skip", default="", help="comma-separated measurement names to leave out")
     p.add_argument("--steps", type=int, default=0, help="timed SFT steps (default 8; 2 with --tiny)")
     p.add_argument("--out", default="", help="also append every JSON line to this file")
     p.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
-    shape = tiny_shape() if args.tiny else full_shape()
+    shape_name = args.shape or ("tiny" if args.tiny else "qwen3-1.7b")
+    shape = SHAPES[shape_name]()
+    shape["name"] = shape_name
+    shape["device"] = args.device or shape["device"]
+    shape["card_gib"] = args.card_gib
     if args.steps:
         shape["steps"] = args.steps
     if args.child:
         kind, options = MEASUREMENTS[args.child]
-        if args.tiny:  # CPU stand-ins: inductor compiles slowly on CPU, and CPUs have no cuDNN
+        if shape["device"] == "cpu":  # CPU stand-ins: inductor compiles slowly on CPU, and CPUs have no cuDNN
             options = {
                 k: {"inductor": "aot_eager", "cudnn_attention": "math"}.get(v, v) if isinstance(v, str) else v
                 for k, v in options.items()
             }
-        result = {"name": args.child, **globals()[f"_{kind}"](shape, **options)}
+        figures = globals()[f"_{kind}"](shape, **options)
+        result = {"name": args.child, "shape": shape_name, "card": _card(shape), **figures}
         print("RESULT " + json.dumps(result), flush=True)
         return
-    names = [n for n in (args.only.split(",") if args.only else MEASUREMENTS) if n and n not in args.skip.split(",")]
+    only = args.only.replace("issue43", ROWS_43)
+    names = [n for n in (only.split(",") if only else MEASUREMENTS) if n and n not in args.skip.split(",")]
     results = []
     for name in names:
         cmd = (
-            [sys.executable, __file__, "--child", name]
-            + (["--tiny"] if args.tiny else [])
+            [sys.executable, __file__, "--child", name, "--shape", shape_name]
+            + (["--device", args.device] if args.device else [])
+            + (["--card-gib", str(args.card_gib)] if args.card_gib else [])
             + (["--steps", str(args.steps)] if args.steps else [])
         )
         start = time.perf_counter()
@@ -137,7 +172,12 @@ def main() -> None:
         result = (
             json.loads(lines[-1])
             if lines
-            else {"name": name, "error": (proc.stderr or proc.stdout).strip().splitlines()[-6:]}
+            else {
+                "name": name,
+                "shape": shape_name,
+                "card": _card(shape) if shape["device"] == "cpu" else "see the env row",
+                "error": (proc.stderr or proc.stdout).strip().splitlines()[-6:],
+            }
         )
         result["wall_s"] = round(time.perf_counter() - start, 1)
         if proc.returncode and "error" not in result:
@@ -153,6 +193,7 @@ def main() -> None:
 
 
 def full_shape() -> dict:
+    """Qwen3-1.7B's dimensions (tied embeddings)."""
     return {
         "device": "cuda",
         "batch": 4,
@@ -181,9 +222,24 @@ def full_shape() -> dict:
         "varlen_lengths": [4096, 3500, 3000, 2600, 2200, 1800, 1500, 1200, 1000, 800, 600, 500, 400, 300, 200, 100],
         "cb_prompt": 1024,
         "cb_new": 512,
+        "host_new": 512,  # cb-256-host: replies of 64 to 512 tokens
         "grpo_groups": 4,
         "grpo_group_size": 16,
     }
+
+
+def qwen3_8b_shape() -> dict:
+    """Qwen3-8B's dimensions (untied embeddings); the rest as for Qwen3-1.7B."""
+    shape = full_shape()
+    shape["model"] = {
+        **shape["model"],
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "tie_word_embeddings": False,
+    }
+    return shape
 
 
 def tiny_shape() -> dict:
@@ -213,12 +269,32 @@ def tiny_shape() -> dict:
         "varlen_lengths": [64, 50, 30, 10],
         "cb_prompt": 24,
         "cb_new": 8,
+        "host_new": 64,
         "grpo_groups": 2,
         "grpo_group_size": 3,
     }
 
 
+SHAPES = {"qwen3-1.7b": full_shape, "qwen3-8b": qwen3_8b_shape, "tiny": tiny_shape}
+
+
 # ---- building blocks ----
+
+
+def _card(shape: dict) -> str:
+    """The device a row ran on, by name."""
+    if shape["device"] == "cuda":
+        props = torch.cuda.get_device_properties()
+        return f"{props.name} ({props.total_memory / 2**30:.1f} GiB)"
+    model = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")), "?")
+    return f"CPU: {model} ({os.cpu_count()} cores)"
+
+
+def _cpuinfo() -> list[str]:
+    try:
+        return Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return []
 
 
 def _model(shape: dict):
@@ -226,9 +302,21 @@ def _model(shape: dict):
 
     config = Qwen3Config(**shape["model"], attn_implementation="sdpa")
     torch.manual_seed(0)
-    with torch.device(shape["device"]):
-        model = Qwen3ForCausalLM(config)
-    return model.to(torch.bfloat16)
+    with torch.device(shape["device"]):  # initialised in bf16: no fp32 copy of an 8B model on the card
+        return Qwen3ForCausalLM._from_config(config, dtype=torch.bfloat16)
+
+
+def _plan_figures(b) -> dict:
+    """The backend's memory plan beside a row's measured peak (none on a CPU)."""
+    plan = b.memory_plan
+    figures = {"gradient_checkpointing": b.gradient_checkpointing}
+    if plan is not None:
+        figures |= {
+            "planned_peak_gib": round(plan.peak_bytes / 2**30, 2),
+            "planned_kv_tokens": plan.kv_tokens,
+            "budget_gib": round(plan.budget_bytes / 2**30, 2),
+        }
+    return figures
 
 
 def _tokenizer(vocab_size: int):
@@ -243,7 +331,14 @@ def _tokenizer(vocab_size: int):
 def _backend(shape: dict, model, **knobs):
     from tbexp.backends.local import LocalBackend
 
-    knobs = {"dtype": "bfloat16", "microbatch_tokens": shape["batch"] * shape["seq"], **knobs}
+    # The longest sequence any row feeds: the memory plan takes a datum that long as a training pass of its own.
+    longest = max(shape["seq"], shape["cb_prompt"] + shape["host_new"], max(shape["varlen_lengths"]))
+    knobs = {
+        "dtype": "bfloat16",
+        "microbatch_tokens": shape["batch"] * shape["seq"],
+        "max_sequence_tokens": longest,
+        **knobs,
+    }
     return LocalBackend(
         model,
         _tokenizer(model.config.vocab_size),
@@ -433,6 +528,7 @@ def _sft_tbexp(shape: dict, **knobs) -> dict:
     tokens = shape["batch"] * shape["seq"]
     return {
         **_sft_figures(shape, b.model, elapsed, shape["steps"], tokens, shape["seq"]),
+        **_plan_figures(b),
         "warmup_s": round(warmup_s, 1),
         "knobs": knobs,
         "trainable_params": sum(p.numel() for p in b._params.values()),
@@ -750,6 +846,7 @@ def _sample_continuous(
                 kernels=kernels,
                 page_tokens=page_tokens,
                 max_batch=max(16, concurrent),
+                kv_cache_tokens=b._kv_cache_tokens(),
                 **({"prefill_tokens": prefill_tokens} if prefill_tokens else {}),
             )
     engine = b._continuous_batcher(sampler)
@@ -821,6 +918,7 @@ def _sample_continuous(
         "logprob_vs_teacher_forced_max_abs": round(float(diff.abs().max()), 4),
         "mean_abs": round(float(diff.abs().mean()), 4),
         "graph_captures": engine.stats["graph_captures"],
+        **_plan_figures(b),
     }
 
 
@@ -863,7 +961,7 @@ def _decode_profile(shape: dict, concurrent: int) -> dict:
     engine._prefill(engine._admit())
     context = shape["cb_prompt"] + shape["cb_new"] // 2
     bucket = next(b for b in BUCKETS if b >= concurrent)
-    engine._launch(engine.rows)()  # writes every row's step inputs
+    engine._launch(engine.rows)()  # one step, so every row's inputs have been advanced once on the device
     engine.step_inputs[3, :concurrent] = context
     with torch.no_grad():
         for _ in range(3):
@@ -911,7 +1009,6 @@ def _decode_profile(shape: dict, concurrent: int) -> dict:
     weight_bytes["head"] = w.head.numel() * 2
     # The whole step as the batcher queues it: graph replay, sampling, the next inputs, the copy to the host.
     engine.step_inputs[3, :concurrent] = context
-    engine._inputs_stale = False
     rows = list(engine.rows)
     step_ms = _events_ms(lambda: engine._launch(rows)(), 20)
     return {
@@ -1034,11 +1131,12 @@ def _timed(fn, shape: dict) -> float:
     return time.perf_counter() - start
 
 
-def _grpo_step(shape: dict, continuous: bool) -> dict:
+def _grpo_step(shape: dict, continuous: bool, gradient_checkpointing: bool | None = None) -> dict:
     """One GRPO step: sample the groups, one importance-sampling forward_backward over every reply, optim_step."""
     from tinker import types
 
     knobs = {"continuous_batching": True} if continuous else {"cuda_graph_sampling": shape["device"] == "cuda"}
+    knobs["gradient_checkpointing"] = gradient_checkpointing  # None: the memory plan's choice
     b = _backend(
         shape,
         _model(shape),
@@ -1110,47 +1208,227 @@ def _grpo_step(shape: dict, continuous: bool) -> dict:
         if continuous
         else {}
     )
-    return {"continuous": continuous, "episodes": groups * size, **result, "peak_gib": _peak_gib(shape), **extra}
+    return {
+        "continuous": continuous,
+        "episodes": groups * size,
+        **result,
+        "peak_gib": _peak_gib(shape),
+        **_plan_figures(b),
+        **extra,
+    }
+
+
+def _memory_plan(shape: dict) -> dict:
+    """The memory plan of the GRPO step (`grpo-step-after`'s settings) for this shape on this card, or on a card
+    of `--card-gib` GiB: the plan alone, from the shapes, with nothing allocated."""
+    from transformers import Qwen3Config
+
+    from tbexp.backends import memory_plan as mp
+
+    card = torch.cuda.get_device_properties().total_memory if shape["device"] == "cuda" else shape["card_gib"] * 2**30
+    if not card:
+        return {"skipped": "no GPU: give --card-gib"}
+    config = Qwen3Config(**shape["model"])
+    sampling = mp.Sampling(True, shape["grpo_groups"] * shape["grpo_group_size"], shape["cb_prompt"] + shape["cb_new"])
+    out = {"card_gib": round(card / 2**30, 1)}
+    for checkpointing in (False, True, None):
+        training = mp.Training(16384, bool(checkpointing), 32, tuple(TARGETS), 4096)
+        key = {False: "checkpointing_off", True: "checkpointing_on", None: "default"}[checkpointing]
+        try:
+            plan, ckpt = mp.for_backend(config, 2, training, sampling, int(card), mp.DEFAULT_FRACTION, checkpointing)
+            out[key] = {"checkpointing": ckpt, "plan": plan.describe()}
+            out[f"{key}_peak_gib"] = round(plan.peak_bytes / 2**30, 2)
+        except mp.MemoryPlanError as e:
+            out[key] = {"refused": str(e)}
+    return out
+
+
+def _train_memory(shape: dict) -> dict:
+    """A training pass's memory per token of context, checkpointing off and on, against the plan's count.
+
+    One datum of T tokens, then 2T, through forward_backward; the slope between them is the per-token figure
+    (weights and the loss chunk cancel). On a GPU: the peak allocated above what was allocated before the call;
+    on a CPU (no allocator statistics): the bytes of the tensors autograd saves for the backward.
+    """
+    from tbexp.backends import memory_plan as mp
+
+    short = 2048 if shape["device"] == "cuda" else 64
+    out = {}
+    for checkpointing in (False, True):
+        b = _backend(
+            shape, _model(shape), packing=True, microbatch_tokens=2 * short, gradient_checkpointing=checkpointing
+        )
+        figures = []
+        for tokens in (short, 2 * short):
+            data = _sft_data(shape, 1, [tokens])
+            b.forward_backward(data, "cross_entropy").result()  # warm-up: gradients and kernels allocated
+            figures.append(_training_bytes(shape, b, data))
+        m = mp.ModelShape.of(b._lm.config, 2)
+        training = mp.Training(2 * short, checkpointing, 32, tuple(TARGETS))
+        plan = [replace(training, microbatch_tokens=n).activation_bytes(m) for n in (short, 2 * short)]
+        key = "checkpointing_on" if checkpointing else "checkpointing_off"
+        out[f"{key}_bytes_per_token"] = round((figures[1] - figures[0]) / short)
+        out[f"{key}_planned_bytes_per_token"] = round((plan[1] - plan[0]) / short)
+        # What the backward keeps (no transients): what a CPU's count of saved tensors is compared with.
+        kept = m.layer_activation_bytes_per_token(32, len(TARGETS)) if not checkpointing else 2 * m.hidden
+        out[f"{key}_planned_kept_bytes_per_token"] = m.layers * kept
+        del b
+    out["measured"] = "peak allocated" if shape["device"] == "cuda" else "bytes autograd saves"
+    return out
+
+
+def _training_bytes(shape: dict, b, data) -> int:
+    if shape["device"] == "cuda":
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        b.forward_backward(data, "cross_entropy").result()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
+    storages: dict[int, int] = {}
+
+    def keep(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        b.forward_backward(data, "cross_entropy").result()
+    return sum(storages.values())
+
+
+def _host_work(shape: dict, concurrent: int) -> dict:
+    """A decode step's host work at `concurrent` rows, apart from the model's forward and the sampler.
+
+    Requests with distinct prompts and 16 to `cb_new` new tokens (so rows leave at different steps and the
+    running batch changes most steps) and a stop string checked every step. The driving thread's CPU time in
+    the decode loop less its CPU time in the forward (`_decode_logits`) and the sampler (`ops["sample"]`): on a
+    CPU these compute, on a GPU they launch (a graph replay, two kernels). `host_ms_per_step` is the batcher's
+    own figure (decode wall time less the time spent waiting for the device).
+    """
+    b = _backend(shape, _model(shape), continuous_batching=True, max_concurrent_sequences=max(16, concurrent))
+    sampler = b.sampler()
+    engine = b._continuous_batcher(sampler)
+    warm = [r.prompt[::-1] for r in _cb_requests(shape, concurrent, 4)]
+    sampler.sample_batch(_cb_requests(shape, concurrent, 4, warm))
+    spent = {"forward": 0.0, "sample": 0.0, "decode": 0.0}
+    decoding = []  # non-empty inside the decode loop: the prefill's own sampling is not a decode step's
+
+    def timed(key, fn):
+        def run(*args, **kwargs):
+            start = time.thread_time()
+            if key == "decode":
+                decoding.append(True)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if key == "decode":
+                    decoding.pop()
+                if decoding or key == "decode":
+                    spent[key] += time.thread_time() - start
+
+        return run
+
+    torch.set_num_threads(1)  # the model's CPU work on this thread, where thread_time sees it
+    engine._decode_logits = timed("forward", engine._decode_logits)
+    engine.ops = {**engine.ops, "sample": timed("sample", engine.ops["sample"])}
+    engine._decode_run = timed("decode", engine._decode_run)
+    longest = shape["host_new"]
+    shortest = max(1, longest // 8)
+    requests = [
+        r.__class__(
+            r.prompt, r.params.model_copy(update={"max_tokens": shortest + (i * 37) % (longest - shortest + 1)})
+        )
+        for i, r in enumerate(_cb_requests(shape, concurrent, longest))
+    ]
+    before = dict(engine.stats)
+    start = time.perf_counter()
+    seqs = sampler.sample_batch(requests)
+    elapsed = time.perf_counter() - start
+    steps = engine.stats["decode_steps"] - before["decode_steps"]
+    wall_host = (engine.stats["decode_s"] - before["decode_s"]) - (
+        engine.stats["device_wait_s"] - before["device_wait_s"]
+    )
+    return {
+        "concurrent": concurrent,
+        "steps": steps,
+        "new_tokens": sum(len(s.tokens) for s in seqs),
+        "s": round(elapsed, 3),
+        "host_cpu_ms_per_step": round((spent["decode"] - spent["forward"] - spent["sample"]) / steps * 1e3, 3),
+        "forward_cpu_ms_per_step": round(spent["forward"] / steps * 1e3, 3),
+        "sample_cpu_ms_per_step": round(spent["sample"] / steps * 1e3, 3),
+        "host_ms_per_step": round(wall_host / steps * 1e3, 3),
+    }
 
 
 def _table(results: list[dict]) -> None:
-    print("\n| measurement | figure | peak GiB | notes |\n|---|---|---|---|")
+    print("\n| measurement | card | figure | peak GiB | notes |\n|---|---|---|---|---|")
     for r in results:
-        if "error" in r or "oom" in r:
-            print(f"| {r['name']} | failed | | {r.get('error') or r.get('oom')} |")
-        elif "merged_linear_ms_per_step" in r:
-            print(
-                f"| {r['name']} | {r['merged_linear_ms_per_step']} vs {r['unmerged_linear_ms_per_step']} ms/step (merged vs unmerged linears) | | merge {min(r['weight_merge_ms'])} ms once a snapshot: pays after {r['merge_pays_after_steps']} steps |"
-            )
-        elif "graph_step_ms" in r:
-            print(
-                f"| {r['name']} | {r['graph_step_ms']} ms/step (graph) | | attention {r['attention_all_layers_ms']} ms at {r['attention_tb_per_s']} TB/s; eager kernels {r['eager_kernel_ms_per_step']} |"
-            )
-        elif "concurrent" in r:
-            print(
-                f"| {r['name']} | {r['tokens_per_s']:,} tokens/s ({r['decode_tokens_per_s']:,} decoding) | {r['peak_gib']} | {r['ms_per_step']} ms/step, TTFT median {r['ttft_median_s']} s, {r['fraction_of_bound_at_4.8']:.0%} of the 4.8 TB/s bound |"
-            )
-        elif "tokens_per_s" in r:
-            extra = (
-                f"MFU {r['mfu_vs_989']:.1%} of 989 TFLOP/s, {r['s_per_step']} s/step"
-                if "mfu_vs_989" in r
-                else f"{r['ms_per_step']} ms/step"
-            )
-            print(f"| {r['name']} | {r['tokens_per_s']:,} tokens/s | {r['peak_gib']} | {extra} |")
-        elif "sampling_share" in r:
-            print(
-                f"| {r['name']} | {r['step_s']} s/step | {r['peak_gib']} | sampling {r['sample_s']} s ({r['sampling_share']:.0%}), training {r['train_s']} s |"
-            )
-        elif "real_tokens_per_s" in r:
-            print(
-                f"| {r['name']} | {r['real_tokens_per_s']:,} real tokens/s | {r['peak_gib']} | {r['s_per_step']} s/step |"
-            )
-        elif "peak_above_inputs_gib" in r:
-            print(
-                f"| {r['name']} | {r['s']} s | {r['peak_above_inputs_gib']} | full fp32 logits alone {r['full_fp32_logits_gib']} GiB |"
-            )
-        else:
-            print(f"| {r['name']} | | | {json.dumps({k: v for k, v in r.items() if k not in ('name',)})} |")
+        print(f"| {r['name']} | {r.get('card', '')} | {_row(r)} |")
+
+
+def _row(r: dict) -> str:
+    """A result's figure | peak GiB | notes cells."""
+    planned = (
+        f"; planned {r['planned_peak_gib']} GiB, pool {r['planned_kv_tokens']:,} tokens"
+        if "planned_peak_gib" in r
+        else ""
+    )
+    ckpt = f", checkpointing {'on' if r['gradient_checkpointing'] else 'off'}" if "gradient_checkpointing" in r else ""
+    if "error" in r or "oom" in r:
+        return f"failed | | {r.get('error') or r.get('oom')}"
+    if "merged_linear_ms_per_step" in r:
+        return (
+            f"{r['merged_linear_ms_per_step']} vs {r['unmerged_linear_ms_per_step']} ms/step (merged vs unmerged "
+            f"linears) | | merge {min(r['weight_merge_ms'])} ms once a snapshot: pays after "
+            f"{r['merge_pays_after_steps']} steps"
+        )
+    if "graph_step_ms" in r:
+        return (
+            f"{r['graph_step_ms']} ms/step (graph) | | attention {r['attention_all_layers_ms']} ms at "
+            f"{r['attention_tb_per_s']} TB/s; eager kernels {r['eager_kernel_ms_per_step']}"
+        )
+    if "host_cpu_ms_per_step" in r:
+        return (
+            f"{r['host_cpu_ms_per_step']} ms host CPU a step | | {r['concurrent']} rows, {r['steps']} steps; forward "
+            f"{r['forward_cpu_ms_per_step']} ms, sampler {r['sample_cpu_ms_per_step']} ms; host (wall) "
+            f"{r['host_ms_per_step']} ms"
+        )
+    if "decode_tokens_per_s" in r:
+        return (
+            f"{r['tokens_per_s']:,} tokens/s ({r['decode_tokens_per_s']:,} decoding) | {r['peak_gib']} | "
+            f"{r['ms_per_step']} ms/step, host {r['host_ms_per_step']} ms, TTFT median {r['ttft_median_s']} s, max "
+            f"{r['ttft_max_s']} s, {r['fraction_of_bound_at_4.8']:.0%} of the 4.8 TB/s bound{planned}"
+        )
+    if "tokens_per_s" in r:
+        extra = (
+            f"MFU {r['mfu_vs_989']:.1%} of 989 TFLOP/s, {r['s_per_step']} s/step"
+            if "mfu_vs_989" in r
+            else f"{r['ms_per_step']} ms/step"
+        )
+        return f"{r['tokens_per_s']:,} tokens/s | {r['peak_gib']} | {extra}{ckpt}{planned}"
+    if "sampling_share" in r:
+        return (
+            f"{r['step_s']} s/step | {r['peak_gib']} | sampling {r['sample_s']} s ({r['sampling_share']:.0%}), "
+            f"training {r['train_s']} s{ckpt}{planned}"
+        )
+    if "real_tokens_per_s" in r:
+        return f"{r['real_tokens_per_s']:,} real tokens/s | {r['peak_gib']} | {r['s_per_step']} s/step"
+    if "peak_above_inputs_gib" in r:
+        return f"{r['s']} s | {r['peak_above_inputs_gib']} | full fp32 logits alone {r['full_fp32_logits_gib']} GiB"
+    if "checkpointing_off_bytes_per_token" in r:
+        return (
+            f"{r['checkpointing_off_bytes_per_token']:,} / {r['checkpointing_on_bytes_per_token']:,} bytes a token "
+            f"(checkpointing off / on; {r['measured']}) | | planned peak {r['checkpointing_off_planned_bytes_per_token']:,}"
+            f" / {r['checkpointing_on_planned_bytes_per_token']:,}, of which the layers keep "
+            f"{r['checkpointing_off_planned_kept_bytes_per_token']:,} / {r['checkpointing_on_planned_kept_bytes_per_token']:,}"
+        )
+    if "default" in r:
+        peak = {k: r.get(f"{k}_peak_gib", "refused") for k in ("checkpointing_off", "checkpointing_on", "default")}
+        return (
+            f"planned peak {peak['default']} GiB | | checkpointing off {peak['checkpointing_off']}, on "
+            f"{peak['checkpointing_on']} (GiB) on {r['card_gib']} GiB"
+        )
+    return f" | | {json.dumps({k: v for k, v in r.items() if k not in ('name', 'card')})}"
 
 
 if __name__ == "__main__":

@@ -145,6 +145,7 @@ def _local_backend(cfg: Any, save_dir: Path, logit_scale_lr_factor: float = 0.0)
         continuous_batching=b.continuous_batching,
         kv_cache_tokens=b.kv_cache_tokens,
         max_sequence_tokens=m.max_length_tokens,
+        gpu_memory_fraction=b.gpu_memory_fraction,
     )
 
 

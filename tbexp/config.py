@@ -179,11 +179,16 @@ class LocalBackendConfig(BackendConfig):
     dtype: str = ""  # "bfloat16": frozen weights in bf16, passes under autocast, trainable weights fp32
     compile: str = ""  # "inductor": torch.compile each decoder layer for training passes
     packing: bool = False  # datums joined into one row instead of padded micro-batches
-    gradient_checkpointing: bool = False
+    # per decoder layer; null = on a GPU, where the memory plan needs it (without it a micro-batch's training pass
+    # would leave the KV pool under a quarter of the budget: docs/gpu-sampling.md), never on a CPU
+    gradient_checkpointing: bool | None = None
     microbatch_tokens: int = 8192  # padded (or packed) tokens per forward pass
     cuda_graph_sampling: bool = False  # replay one CUDA graph per sampled token
     continuous_batching: bool = False  # requests share one running batch, paged KV cache (docs/gpu-sampling.md)
-    kv_cache_tokens: int = 0  # continuous_batching: cache tokens; 0 = 40% of free GPU memory (64k on CPU)
+    kv_cache_tokens: int = 0  # continuous_batching: cache tokens; 0 = what the memory plan leaves on a GPU (64k on CPU)
+    # on a GPU: the share of its memory the whole job may plan for (weights, a training pass, the KV pool); a job
+    # that cannot fit is refused before its first step, with the figures (tbexp/backends/memory_plan.py)
+    gpu_memory_fraction: float = 0.85
 
 
 @dataclass
@@ -495,6 +500,9 @@ def check(cfg: Any) -> None:
     for key, value in (("backend.threads", cfg.backend.threads), ("backend.train_threads", cfg.backend.train_threads)):
         if value < 0:
             raise ConfigError(f"{key}={value}: must be >= 0 (0 = the default)")
+    fraction = getattr(cfg.backend, "gpu_memory_fraction", 1.0)  # local only
+    if not 0.0 < fraction <= 1.0:
+        raise ConfigError(f"backend.gpu_memory_fraction={fraction}: must lie in (0, 1]")
     if not 0.0 <= cfg.tasks.rl_share < 1.0:
         raise ConfigError(f"tasks.rl_share={cfg.tasks.rl_share}: must lie in [0, 1)")
     if cfg.tasks.source == "dir" and not cfg.tasks.path:

@@ -124,6 +124,8 @@ def test_wrong_type_is_refused():
         (["grpo.logit_scale_lr_factor=-1"], "grpo.logit_scale_lr_factor"),
         (["grpo.kl_scaled_reference=true", "model.logit_scale=false"], "needs model.logit_scale=true"),
         (["backend.train_threads=-1"], "backend.train_threads"),
+        (["backend.gpu_memory_fraction=0"], "backend.gpu_memory_fraction=0.0: must lie in (0, 1]"),
+        (["backend.gpu_memory_fraction=1.2"], "backend.gpu_memory_fraction=1.2"),
     ],
 )
 def test_unusable_values_are_refused_by_check(overrides, needle):

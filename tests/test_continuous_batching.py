@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -43,9 +44,9 @@ def tiny_model(kind: str, seed: int = 0):
         )
 
 
-def lora_backend(save_dir, kind: str = "qwen3", **kw) -> LocalBackend:
+def lora_backend(save_dir, kind: str = "qwen3", model=None, **kw) -> LocalBackend:
     return LocalBackend(
-        tiny_model(kind),
+        tiny_model(kind) if model is None else model,
         char_tokenizer(),
         lora_rank=4,
         lora_alpha=8.0,
@@ -354,3 +355,35 @@ def test_model_policy_episodes_submit_to_the_running_batch_only_when_asked(tmp_p
     # A small model on a CPU merges a private copy per sampler by default; the batcher merges into its own buffers.
     on = lora_backend(tmp_path / "on", "qwen3", continuous_batching=True)
     assert off.sampler()._merged is not None and on.sampler()._merged is None
+
+
+def test_prompts_arriving_while_rows_decode_are_encoded_a_chunk_between_decode_steps(tmp_path):
+    b = trained_backend(tmp_path)
+    with b.sampler()._model() as (_, lm):
+        engine = ContinuousBatcher(
+            lm, b.tokenizer, b.eos_token_ids, page_tokens=4, kv_cache_tokens=2048, prefill_tokens=20
+        )
+    params = types.SamplingParams(max_tokens=40, temperature=0.9, seed=1, stop=[])
+    requests = [Request(random_tokens(5, 50), params)] + [
+        Request(random_tokens(10, 60 + i), params.model_copy(update={"seed": 2 + i})) for i in range(4)
+    ]
+    seqs = [engine._new_sequence(r, None, None, time.perf_counter(), None) for r in requests]
+    events = []
+    prefill, launch, due = engine._prefill_batch, engine._launch, engine._admission_due
+    engine._prefill_batch = lambda chunk: events.append(("prefill", len(chunk))) or prefill(chunk)
+    engine._launch = lambda rows: events.append(("decode", len(rows))) or launch(rows)
+
+    def arrive_at_step_3():  # four prompts of 10 tokens arrive while the first request decodes
+        if engine.stats["decode_steps"] == 3 and seqs[1] not in engine._waiting + engine.rows:
+            engine._waiting.extend(seqs[1:])
+        return due()
+
+    engine._admission_due = arrive_at_step_3
+    engine._waiting.append(seqs[0])
+    while not all(s.future.done() for s in seqs):
+        engine._iterate()
+    chunks = [i for i, (kind, _) in enumerate(events) if kind == "prefill"]
+    assert [events[i][1] for i in chunks] == [1, 2, 2]  # 20-token chunks: two 10-token prompts each
+    assert events[chunks[1] + 1] == ("decode", 3)  # the running rows took a step before the next chunk
+    for s in seqs:
+        assert s.future.result().tokens == alone(b, s.request).tokens

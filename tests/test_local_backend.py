@@ -290,14 +290,37 @@ def test_bf16_keeps_trainable_weights_fp32_and_matches_fp32_loosely(tmp_path):
     assert full.forward_backward(data, "cross_entropy").result().loss == pytest.approx(want.loss, rel=2e-2)
 
 
-def test_gradient_checkpointing_gives_the_same_gradients(tmp_path):
+@pytest.mark.parametrize("packing", [False, True])
+def test_gradient_checkpointing_recomputes_each_layer_and_gives_the_same_gradients(tmp_path, packing):
     data = [sft_datum(random_tokens(n, seed=n)) for n in (6, 11)]
-    plain, ckpt = backend(tmp_path), backend(tmp_path, gradient_checkpointing=True)
+    plain, ckpt = backend(tmp_path, packing=packing), backend(tmp_path, gradient_checkpointing=True, packing=packing)
+    assert not plain.gradient_checkpointing  # the default on a CPU: no memory plan, no checkpointing
+    runs = {"plain": 0, "ckpt": 0}
+    for name, b in (("plain", plain), ("ckpt", ckpt)):
+        # The MLP runs inside the checkpointed layer forward, so it starts again when the backward recomputes it
+        # (a pre-hook: the recomputation stops early, once the last tensor the backward needs is back).
+        for layer in b._lm.get_decoder().layers:
+            layer.mlp.register_forward_pre_hook(lambda *_, name=name: runs.__setitem__(name, runs[name] + 1))
     assert plain.forward_backward(data, "cross_entropy").result().loss == pytest.approx(
         ckpt.forward_backward(data, "cross_entropy").result().loss, rel=1e-6
     )
+    layers = len(plain._lm.get_decoder().layers)  # one micro-batch: both datums are within the default budget
+    assert runs == {"plain": layers, "ckpt": 2 * layers}  # each layer ran again in the backward
     for name, g in grads(plain).items():
-        torch.testing.assert_close(grads(ckpt)[name], g)
+        torch.testing.assert_close(grads(ckpt)[name], g, rtol=0, atol=0)  # recomputed exactly: the same bits
+    ckpt.forward(data, "cross_entropy").result()  # no gradients: nothing to recompute
+    assert runs["ckpt"] == 3 * layers
+
+
+def test_optimizer_state_is_the_lora_weights_only(tmp_path):
+    b = backend(tmp_path)
+    b.forward_backward([sft_datum(random_tokens(12, seed=1))], "cross_entropy").result()
+    b.optim_step(sgd()).result()
+    lora = {p for n, p in b.model.named_parameters() if "lora_" in n}
+    assert {p for g in b.optimizer.param_groups for p in g["params"]} == lora == set(b.optimizer.state)
+    assert all(p.grad is None for n, p in b.model.named_parameters() if "lora_" not in n)  # no frozen gradient
+    state_bytes = sum(t.numel() * t.element_size() for s in b.optimizer.state.values() for t in s.values() if t.ndim)
+    assert state_bytes == 2 * sum(p.numel() * 4 for p in lora)  # Adam's two fp32 moments, of the LoRA weights
 
 
 # ---- LoRA and full fine-tuning ----

@@ -9,16 +9,20 @@ iteration of the loop (`ContinuousBatcher._iterate`):
 1. admits waiting requests while rows and cache pages are free: the prompt's
    leading full pages that are already cached (the same tokens under the
    same weights: the other samples of a GRPO group, the earlier turns of an
-   episode) are shared, and only the rest is encoded (prefill, one packed
-   pass over every admitted prompt's new tokens);
+   episode) are shared, and only the rest is encoded (prefill, packed passes
+   of `prefill_tokens` new tokens). While rows are decoding, one such chunk
+   is admitted per iteration, so a burst of new prompts holds the running
+   rows up for one chunk at a time, not for all of them;
 2. runs one decode step over all live rows (one token each), padded up to the
    next batch-size bucket, replaying that bucket's CUDA graph on a GPU;
 3. samples every row, appends, checks stops, and frees the rows that finished.
    Steps 2 and 3 run one step ahead: the device's inputs for step t+1 are
    the tokens it sampled at step t, so step t+1 is queued before the host
-   reads step t's tokens and the host's work (appending, stop tokens and a
-   batched decode of each row's tail for stop strings) overlaps the device's;
-   a row that ends at step t drops its step t+1 token.
+   reads step t's tokens and the host's work (appending, stop tokens, the
+   stop strings of the few rows whose new token can end one: stop_screen.py)
+   overlaps the device's; a row that ends at step t drops its step t+1 token.
+   The host writes a row's step inputs once, when it joins; when rows leave,
+   the survivors' device state moves into the freed places by one gather.
 
 KV cache: pages of `page_tokens` tokens in one pool per layer (see
 paged_kernels.py for the layout); a sequence holds a block table of pages,
@@ -65,6 +69,7 @@ from tbexp.backends.base import SampledSequence
 from tbexp.backends.batch_sampling import Request
 from tbexp.backends.paged_kernels import OPS, gather_pages, triton_available
 from tbexp.backends.sampling import filter_logits, resolve_stops
+from tbexp.backends.stop_screen import StopScreen
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
@@ -89,6 +94,7 @@ class _Sequence:
     first_token_s: float | None = None
     done: str | None = None
     load: object = None  # load(engine): fill the engine with this request's weights
+    stop_ends: object = frozenset()  # token ids after which a stop string may appear (stop_screen.py)
 
     @property
     def context(self) -> list[int]:
@@ -294,15 +300,15 @@ class ContinuousBatcher:
         self.page_tokens = page_tokens or (32 if kernels == "triton" else 16)
         if kernels == "triton" and self.page_tokens < 16:
             raise ValueError("the Triton attention kernel needs page_tokens >= 16")
-        context = getattr(lm.config, "max_position_embeddings", None) or 4096
-        self.max_seq_tokens = max_seq_tokens or min(context, 32768)
+        self.max_seq_tokens = sequence_limit(lm.config, max_seq_tokens)
         self.max_batch = max_batch
         self.prefill_tokens = prefill_tokens
         self.cuda_graphs = cuda_graphs and on_gpu and kernels == "triton"  # the torch attention syncs on its lengths
         self.max_pages_per_seq = -(-self.max_seq_tokens // self.page_tokens)
-        per_token = 2 * w.n_layers * w.n_kv_heads * w.head_dim * w.embed.element_size()
-        if not kv_cache_tokens:  # 40% of what is free now on a GPU; 64k tokens elsewhere
-            kv_cache_tokens = int(0.4 * torch.cuda.mem_get_info(self.device)[0] / per_token) if on_gpu else 65536
+        if not kv_cache_tokens:  # on a GPU the backend's memory plan sizes the pool (memory_plan.py)
+            if on_gpu:
+                raise ValueError("kv_cache_tokens: on a GPU, give the pool's size (LocalBackend.memory_plan's)")
+            kv_cache_tokens = 65536
         n_pages = max(2, kv_cache_tokens // self.page_tokens + 1)
         shape = (w.n_layers, n_pages, w.n_kv_heads, self.page_tokens, w.head_dim)
         self.k_cache = torch.zeros(shape, dtype=w.dtype, device=self.device)
@@ -313,9 +319,11 @@ class ContinuousBatcher:
         self.block_tables = torch.full(
             (max_batch, self.max_pages_per_seq), SCRATCH_PAGE, dtype=torch.int32, device=self.device
         )
-        self.step_inputs = torch.zeros(
-            4, max_batch, dtype=torch.long, device=self.device
-        )  # token, position, slot, length
+        # token, position, slot, length; a padding row (past the live ones) writes the scratch slot, reads 1 token
+        self._padding_inputs = torch.tensor(
+            [[0], [0], [SCRATCH_PAGE * self.page_tokens], [1]], dtype=torch.long, device=self.device
+        ).expand(4, max_batch)
+        self.step_inputs = self._padding_inputs.contiguous()
         self.sample_inputs = torch.zeros(2, max_batch, dtype=torch.long, device=self.device)  # seed, token index
         self.temperatures = torch.zeros(max_batch, dtype=torch.float32, device=self.device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -325,7 +333,8 @@ class ContinuousBatcher:
         self._waiting: list[_Sequence] = []
         self._driving = False
         self._varlen = _varlen_attention() if on_gpu else None
-        self._inputs_stale = True  # the rows changed since the device's step inputs were written
+        self._filtering_rows = 0  # rows with top-k or top-p, whose logits are filtered before the draw
+        self._stops = StopScreen(tokenizer, w.head.shape[0]) if tokenizer is not None else None
         self._host_buffers: list[torch.Tensor] = []  # pinned, two: the device-to-host copies of steps' picks
         self.first_token_s: list[float] = []  # time to first token of each finished request, submit to sample
         self.stats = {
@@ -410,7 +419,10 @@ class ContinuousBatcher:
             raise ValueError("stop strings need a tokenizer to decode with")
         if seed is None:
             seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
-        return _Sequence(request, Future(), snapshot, seed % 2**63, stops, max(limit, 0), now, load=load)
+        seq = _Sequence(request, Future(), snapshot, seed % 2**63, stops, max(limit, 0), now, load=load)
+        if stops.strings:
+            seq.stop_ends = self._stops.ends(stops.strings)
+        return seq
 
     def _iterate(self) -> None:
         admitted = self._admit()
@@ -422,7 +434,9 @@ class ContinuousBatcher:
             self._retire()
 
     def _admit(self) -> list[_Sequence]:
-        admitted = []
+        """Waiting requests that get rows and pages now; while rows are decoding, only as many as one prefill
+        chunk encodes, so that decoding goes on between chunks instead of waiting for every prompt."""
+        admitted, new_tokens = [], 0
         with self._cond:
             while self._waiting and len(self.rows) + len(admitted) < self.max_batch:
                 seq = self._waiting[0]
@@ -437,23 +451,31 @@ class ContinuousBatcher:
                     seq.done = "length"
                     self._finish(seq)
                     continue
-                if not self._reserve(seq):
+                shared = self._cached_pages(seq.request.prompt)
+                new = len(seq.request.prompt) - len(shared) * self.page_tokens
+                if self.rows and admitted and new_tokens + new > self.prefill_tokens:
+                    break  # the next chunk's: decoding takes a step first
+                if not self._reserve(seq, shared):
                     break
                 self._waiting.pop(0)
                 admitted.append(seq)
+                new_tokens += new
         return admitted
 
-    def _reserve(self, seq: _Sequence) -> bool:
-        """Pages for the whole request: cached ones shared for the prompt's leading full pages, new ones after."""
-        prompt = seq.request.prompt
+    def _cached_pages(self, prompt: list[int]) -> list[int]:
+        """The cached pages holding the prompt's leading full pages (not its last token: its logits start the
+        reply, so it is always run)."""
         shared = []
-        for digest in page_digests(
-            prompt[:-1], self.page_tokens
-        ):  # the last prompt token is always run: its logits start the reply
+        for digest in page_digests(prompt[:-1], self.page_tokens):
             page = self.pool.page_of.get(digest)
             if page is None:
                 break
             shared.append(page)
+        return shared
+
+    def _reserve(self, seq: _Sequence, shared: list[int]) -> bool:
+        """Pages for the whole request: the `shared` cached ones for the prompt's leading full pages, new ones after."""
+        prompt = seq.request.prompt
         need = -(-(len(prompt) + seq.limit) // self.page_tokens) - len(shared)
         if need > self.pool.available() - sum(1 for p in shared if self.pool.refs[p] == 0):
             return False
@@ -484,8 +506,7 @@ class ContinuousBatcher:
             if chunk:
                 self._append_first(chunk, self._prefill_batch(chunk))
         self.stats["prefill_s"] += time.perf_counter() - began
-        for seq in seqs:
-            self._add_row(seq)
+        self._add_rows(seqs)
 
     def _prefill_inputs(self, seqs: list[_Sequence]):
         """The packed chunk's (token, position, slot) [3, N] on the device, and each prompt's (start, new, length)."""
@@ -616,25 +637,15 @@ class ContinuousBatcher:
         """Queue one decode step and its sampling over `rows`; returns the wait for its (tokens, logprobs)."""
         n = len(rows)
         bucket = next((b for b in BUCKETS if b >= n), n) if self.cuda_graphs else n
-        if self._inputs_stale:  # the rows changed: the host writes every row's inputs
-            host = np.zeros((4, bucket), dtype=np.int64)
-            host[2] = SCRATCH_PAGE * self.page_tokens  # padding rows: scratch slot, length 1
-            host[3] = 1
-            samp = np.zeros((2, bucket), dtype=np.int64)
-            temps = np.zeros(bucket, dtype=np.float32)
-            for r, seq in enumerate(rows):
-                position = len(seq.request.prompt) + len(seq.tokens) - 1  # the newest token is fed now
-                host[:, r] = (seq.tokens[-1], position, self._slot(seq, position), position + 1)
-                samp[:, r] = (seq.seed, len(seq.tokens))
-                temps[r] = seq.request.params.temperature
-            self._upload(host, into=self.step_inputs[:, :bucket])
-            self._upload(samp, into=self.sample_inputs[:, :bucket])
-            self._upload(temps, into=self.temperatures[:bucket])
-            self._inputs_stale = False
         with torch.no_grad():
             logits_B_V = self._decode_logits(bucket)[:n]
             tokens_B, logp_B = self._sample(
-                rows, logits_B_V, self.temperatures[:n], self.sample_inputs[0, :n], self.sample_inputs[1, :n]
+                rows,
+                logits_B_V,
+                self.temperatures[:n],
+                self.sample_inputs[0, :n],
+                self.sample_inputs[1, :n],
+                filtering=self._filtering_rows > 0,
             )
             self._advance(n, tokens_B)
             return self._to_host(torch.stack([tokens_B.double(), logp_B.double()]))
@@ -651,13 +662,7 @@ class ContinuousBatcher:
         self.stats["device_wait_s"] += now - waited
         self.stats["decode_steps"] += 1
         self.stats["decode_rows"] += len(rows)
-        going = [seq for seq in rows if seq.done is None]
-        for b, seq in enumerate(rows):
-            if seq.done is None:
-                seq.written += 1
-                self._append(seq, int(picked[b]), float(logps[b]), now)
-        self._check_strings([s for s in going if s.stops.strings and s.done != "stop"])  # outranks the length
-        return any(seq.done is not None for seq in rows)
+        return self._append(rows, picked, logps, now, fed=1)
 
     def _admission_due(self) -> bool:
         """A waiting request could join now (rows and pages free, same weights), so decoding should pause for it.
@@ -749,33 +754,42 @@ class ContinuousBatcher:
         picked, logps = wait()
         now = time.perf_counter()
         self.stats["device_wait_s"] += now - waited
-        for b, seq in enumerate(seqs):
-            self._append(seq, int(picked[b]), float(logps[b]), now)
-        self._check_strings([s for s in seqs if s.stops.strings and s.done != "stop"])
+        self._append(seqs, picked, logps, now, fed=0)
 
-    def _sample(self, seqs: list[_Sequence], logits_B_V, temps_B, seeds_B, steps_B):
-        """(tokens, logprobs) of one draw per row; rows with top-k/top-p draw from their filtered logits."""
+    def _sample(self, seqs: list[_Sequence], logits_B_V, temps_B, seeds_B, steps_B, filtering: bool | None = None):
+        """(tokens, logprobs) of one draw per row; rows with top-k/top-p draw from their filtered logits
+        (`filtering`: whether any row has them, if the caller knows)."""
         filtered = None
-        if any(_filters(s.request.params) for s in seqs):
+        if filtering if filtering is not None else any(_filters(s.request.params) for s in seqs):
             filtered = torch.stack([_filtered_row(logits_B_V[b], s.request.params) for b, s in enumerate(seqs)])
         return self.ops["sample"](logits_B_V, temps_B, seeds_B, steps_B, filtered)
 
-    def _append(self, seq: _Sequence, token: int, logprob: float, now: float) -> None:
-        seq.tokens.append(token)
-        seq.logprobs.append(logprob)
-        if seq.first_token_s is None:
-            seq.first_token_s = now
-        if token in seq.stops.token_ids:
-            seq.done = "stop"
-        elif len(seq.tokens) >= seq.limit:
-            seq.done = "length"
-
-    def _check_strings(self, seqs: list[_Sequence]) -> None:
-        if seqs:  # one batched decode of every row's tail instead of one call per row
-            texts = self.tokenizer.batch_decode([s.tokens[-s.stops.tail_tokens :] for s in seqs])
-            for seq, text in zip(seqs, texts):
-                if any(stop in text for stop in seq.stops.strings):
-                    seq.done = "stop"
+    def _append(self, seqs: list[_Sequence], picked: np.ndarray, logps: np.ndarray, now: float, fed: int) -> bool:
+        """Each going row's new token and its stops (a token id, the length, then a stop string, which outranks
+        the length; `fed`: the step wrote the previous token's K/V); True if a row has ended."""
+        ended, check = False, []
+        for seq, token, logprob in zip(seqs, picked.astype(np.int64).tolist(), logps.tolist()):
+            if seq.done is not None:
+                ended = True  # a step ahead of its end: this token is dropped
+                continue
+            seq.written += fed
+            seq.tokens.append(token)
+            seq.logprobs.append(logprob)
+            if seq.first_token_s is None:
+                seq.first_token_s = now
+            if token in seq.stops.token_ids:
+                seq.done, ended = "stop", True
+                continue
+            if len(seq.tokens) >= seq.limit:
+                seq.done, ended = "length", True
+            if token in seq.stop_ends:  # this token may complete a stop string (stop_screen.py)
+                check.append(seq)
+        if check:  # only these rows' tails are decoded, in one batch
+            tails = [s.tokens[-s.stops.tail_tokens :] for s in check]
+            for seq, hit in zip(check, self._stops.stopped(tails, [s.stops.strings for s in check])):
+                if hit:
+                    seq.done, ended = "stop", True
+        return ended
 
     def _to_host(self, values: torch.Tensor):
         """Start copying `values` to the host; returns the wait that gives them as a numpy array."""
@@ -799,28 +813,53 @@ class ContinuousBatcher:
 
         return wait
 
-    def _add_row(self, seq: _Sequence) -> None:
-        row = len(self.rows)
-        self.rows.append(seq)
-        self._inputs_stale = True
-        table = np.full(self.max_pages_per_seq, SCRATCH_PAGE, dtype=np.int32)
-        table[: len(seq.pages)] = seq.pages
-        self._upload(table, into=self.block_tables[row])
+    def _add_rows(self, seqs: list[_Sequence]) -> None:
+        """Prefilled sequences join as the last rows; the host writes their step inputs and block tables once
+        (the decode steps advance them on the device from then on)."""
+        start = len(self.rows)
+        self.rows.extend(seqs)
+        self._filtering_rows += sum(_filters(s.request.params) for s in seqs)
+        tables = np.full((len(seqs), self.max_pages_per_seq), SCRATCH_PAGE, dtype=np.int32)
+        steps = np.empty((4, len(seqs)), dtype=np.int64)
+        samples = np.empty((2, len(seqs)), dtype=np.int64)
+        for i, seq in enumerate(seqs):
+            tables[i, : len(seq.pages)] = seq.pages
+            position = len(seq.request.prompt) + len(seq.tokens) - 1  # the newest token is fed next
+            steps[:, i] = (seq.tokens[-1], position, self._slot(seq, position), position + 1)
+            samples[:, i] = (seq.seed, len(seq.tokens))
+        end = len(self.rows)
+        self._upload(tables, into=self.block_tables[start:end])
+        self._upload(steps, into=self.step_inputs[:, start:end])
+        self._upload(samples, into=self.sample_inputs[:, start:end])
+        temps = np.array([s.request.params.temperature for s in seqs], dtype=np.float32)
+        self._upload(temps, into=self.temperatures[start:end])
 
     def _retire(self) -> None:
-        """Finish stopped rows; the last row moves into each freed place, so the live rows stay 0..n-1."""
+        """Finish stopped rows; the last row moves into each freed place, so the live rows stay 0..n-1. Their
+        device state moves with them in one gather, and the freed places become padding rows."""
+        before = len(self.rows)
+        origin = list(range(before))  # the device column each row's state is in
         r = 0
         while r < len(self.rows):
             seq = self.rows[r]
             if seq.done is None:
                 r += 1
                 continue
-            last = self.rows.pop()
-            self._inputs_stale = True
+            last, last_origin = self.rows.pop(), origin.pop()
             if last is not seq:
-                self.rows[r] = last
-                self.block_tables[r].copy_(self.block_tables[len(self.rows)])
+                self.rows[r], origin[r] = last, last_origin
+            self._filtering_rows -= _filters(seq.request.params)
             self._finish(seq)
+        n = len(self.rows)
+        if n == before:
+            return
+        if origin != list(range(n)):
+            index = self._upload(np.asarray(origin, dtype=np.int64))
+            for state in (self.step_inputs, self.sample_inputs):
+                state[:, :n] = state[:, index]
+            self.temperatures[:n] = self.temperatures[index]
+            self.block_tables[:n] = self.block_tables[index]
+        self.step_inputs[:, n:before] = self._padding_inputs[:, n:before]
 
     def _finish(self, seq: _Sequence) -> None:
         if seq.pages:
@@ -843,9 +882,15 @@ class ContinuousBatcher:
                 self.pool.release(seq.pages)
                 seq.pages = []
             self.rows, self._waiting = [], []
+            self._filtering_rows = 0
 
     def _slot(self, seq: _Sequence, position: int) -> int:
         return seq.pages[position // self.page_tokens] * self.page_tokens + position % self.page_tokens
+
+
+def sequence_limit(config, max_seq_tokens: int = 0) -> int:
+    """The longest sequence a batcher takes: `max_seq_tokens`, else the model's context up to 32k tokens."""
+    return max_seq_tokens or min(getattr(config, "max_position_embeddings", None) or 4096, 32768)
 
 
 def _splits(programs: int, max_pages: int) -> int:

@@ -27,12 +27,17 @@ callable is asked before each call, so a job can follow its share of the cores):
 the stages update only between rollouts, when the sandboxes' cores are free.
 
 GPU knobs (`dtype`, `compile_backend`, `logprob_chunk_tokens`,
-`sdpa_backend`, `cuda_graph_sampling`, `gradient_checkpointing`) are all off
-by default; local_speed.py says what each does.
+`sdpa_backend`, `cuda_graph_sampling`) are all off by default; local_speed.py
+says what each does. On a GPU the backend plans its memory when it is built
+(memory_plan.py): weights, the training pass of one micro-batch and the KV
+pool within `gpu_memory_fraction` of the card, refused at once if they cannot
+fit; `gradient_checkpointing=None` (per decoder layer) is then on where the
+plan needs it, and off on a CPU, where no plan is made.
 With `continuous_batching`, every request of every sampler (`sample`,
 `sample_batch`, `request_queue`) joins the backend's one running batch
-(continuous_batching.py: paged KV cache of `kv_cache_tokens`, at most
-`max_concurrent_sequences` rows, LoRA merged once per sampler snapshot).
+(continuous_batching.py: paged KV cache of `kv_cache_tokens`, by default what
+the plan leaves, at most `max_concurrent_sequences` rows, LoRA merged once per
+sampler snapshot).
 
 optim_step: torch AdamW with Tinker's `AdamParams` (decoupled weight decay,
 global-norm clipping when `grad_clip_norm` > 0), hyperparameters set afresh
@@ -61,6 +66,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import random
 import threading
 import time
@@ -76,6 +82,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
 from tinker import types
 
+from tbexp.backends import memory_plan
 from tbexp.backends.base import (
     LOSSES,
     Done,
@@ -87,7 +94,7 @@ from tbexp.backends.base import (
     TrainingBackend,
 )
 from tbexp.backends.batch_sampling import BatchQueue, Request, sample_batch
-from tbexp.backends.continuous_batching import SEED_STRIDE, ContinuousBatcher
+from tbexp.backends.continuous_batching import SEED_STRIDE, ContinuousBatcher, sequence_limit
 from tbexp.backends.local_speed import (
     PACKED_ATTENTION,
     _attention_implementation,
@@ -103,6 +110,7 @@ from tbexp.backends.rl_losses import policy_loss, policy_metrics
 from tbexp.backends.sampling import sample_sequences
 
 RL_INPUTS = ("target_tokens", "logprobs", "advantages")
+log = logging.getLogger(__name__)
 
 
 class LocalBackend(TrainingBackend):
@@ -123,7 +131,7 @@ class LocalBackend(TrainingBackend):
         seed: int = 0,
         save_dir: str | Path,
         microbatch_tokens: int = 8192,
-        gradient_checkpointing: bool = False,
+        gradient_checkpointing: bool | None = None,
         packing: bool = False,
         dtype: str | None = None,
         compile_backend: str | None = None,
@@ -135,6 +143,7 @@ class LocalBackend(TrainingBackend):
         kv_cache_tokens: int = 0,
         max_concurrent_sequences: int = 256,
         max_sequence_tokens: int = 0,
+        gpu_memory_fraction: float = memory_plan.DEFAULT_FRACTION,
     ):
         _check_plain_lm_head(model.config)
         self.tokenizer = tokenizer
@@ -171,7 +180,32 @@ class LocalBackend(TrainingBackend):
             base_dtype = self.dtype if lora_rank > 0 else torch.float32  # under full fine-tuning every weight trains
             _cast_weights(model, frozen=base_dtype, trainable=base_dtype)
         model = model.to(self.device)
-        if gradient_checkpointing:
+        # On a GPU, one budget for training and sampling (memory_plan.py): refused here, before any step, if it
+        # cannot fit; `gradient_checkpointing=None` lets the plan decide (never on a CPU).
+        self.memory_plan, self.gradient_checkpointing = memory_plan.for_backend(
+            model.config,
+            weight_bytes=(self.dtype or next(model.parameters()).dtype).itemsize,
+            training=memory_plan.Training(
+                microbatch_tokens,
+                bool(gradient_checkpointing),
+                lora_rank,
+                tuple(lora_targets),
+                logprob_chunk_tokens or 0,
+                longest_datum_tokens=sequence_limit(model.config, max_sequence_tokens),
+            ),
+            sampling=memory_plan.Sampling(
+                continuous_batching,
+                max_concurrent_sequences,
+                sequence_limit(model.config, max_sequence_tokens),
+                kv_cache_tokens,
+            ),
+            card_bytes=_card_bytes(self.device),
+            fraction=gpu_memory_fraction,
+            checkpointing=gradient_checkpointing,
+        )
+        if self.memory_plan is not None:
+            log.info("GPU memory: %s", self.memory_plan.describe())
+        if self.gradient_checkpointing:
             _enable_checkpointing(model)
         if lora_rank > 0:
             # target_parameters reaches weights that are not nn.Linear modules (gpt-oss's 3-D expert tensors).
@@ -372,11 +406,24 @@ class LocalBackend(TrainingBackend):
         """The backend's one running batch, built from `sampler`'s weights the first time."""
         with self._lock:
             if self._batcher is None:
+                options = {**self._batcher_options, "kv_cache_tokens": self._kv_cache_tokens()}
                 with sampler._model() as (_, lm):
                     self._batcher = ContinuousBatcher(
-                        lm, self.tokenizer, self.eos_token_ids, snapshot=sampler, **self._batcher_options
+                        lm, self.tokenizer, self.eos_token_ids, snapshot=sampler, **options
                     )
             return self._batcher
+
+    def _kv_cache_tokens(self) -> int:
+        """The pool: as set, else the memory plan's (within what the card still has free), else 64k tokens (CPU)."""
+        plan = self.memory_plan
+        if plan is None:
+            return self._batcher_options["kv_cache_tokens"] or 65536
+        if self.device.type != "cuda":  # a plan for a card this backend is not on (the tests' stand-in card)
+            return plan.kv_tokens
+        free, _ = torch.cuda.mem_get_info(self.device)
+        unused = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        longest = sequence_limit(self._lm.config, self._batcher_options["max_seq_tokens"])
+        return memory_plan.pool_on_device(plan, free + unused, longest)
 
     def checkpoint_sampler(self, path: str = "") -> LocalSampler:
         """A sampler over the weights `save_state` wrote to `path` ("" = the initial ones: the base model's
@@ -700,6 +747,11 @@ def _metrics(
     loss_fn: str, logp_N: torch.Tensor, inputs: dict[str, torch.Tensor], config: dict[str, float]
 ) -> dict[str, float]:
     return {} if loss_fn == "cross_entropy" else policy_metrics(loss_fn, logp_N, inputs, config)
+
+
+def _card_bytes(device: torch.device) -> int | None:
+    """The GPU's memory, which the memory plan divides; None on a CPU (no plan)."""
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
 
 
 def _check_plain_lm_head(config) -> None:

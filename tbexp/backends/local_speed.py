@@ -11,7 +11,8 @@ the chunked log-softmax (`logprobs.py`), whose chunk is `logprob_chunk_tokens`
 positions. `sdpa_backend` ("cudnn_attention") puts that SDPA kernel first for
 training passes. `cuda_graph_sampling` decodes with a static KV cache and
 replays one CUDA graph per token (`sampling.py`). `gradient_checkpointing`
-trades a second forward for activation memory.
+trades a second forward of each decoder layer for its activations: a layer
+keeps only its input for the backward (memory_plan.py counts both ways).
 
 `packing`'s attention, `_packed_attention`, is registered with transformers
 as PACKED_ATTENTION and installed only while forward_backward and forward
