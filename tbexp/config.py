@@ -56,6 +56,17 @@ class Harness(StrEnum):
     harbor = "harbor"  # Harbor's own trials (tbexp.episodes.harbor_trials)
 
 
+class Isolation(StrEnum):
+    shared = "shared"  # the tests run in the agent's sandbox, as Harbor runs them, hardened (docs/verdicts.md)
+    fresh = "fresh"  # in a fresh sandbox of the task's environment, the agent's work copied in
+
+
+class TamperPolicy(StrEnum):
+    zero = "zero"  # scored 0 (and counted)
+    drop = "drop"  # not scored, like an invalid episode (and counted)
+    keep = "keep"  # scored as the verifier found it (and counted)
+
+
 class LoggerName(StrEnum):
     none = "none"
     wandb = "wandb"
@@ -276,6 +287,17 @@ class EvalConfig:
     harness: Harness = Harness.native  # harbor: Harbor's trials, agent and verifier (the `harbor` node)
     promote_z: float = 1.96  # ... plus this many paired standard errors (1.96: the 95% interval above it; 0 = off)
     incumbent: str = ""  # pipeline: the checkpoint the last row must beat; "" = the row before it (SFT)
+    tamper: TamperPolicy = TamperPolicy.zero  # an episode that touched what the verifier reads: zero | drop | keep
+
+
+@dataclass
+class VerifierConfig:
+    """How the task's tests are run after the agent (tbexp.episodes.integrity, docs/verdicts.md)."""
+
+    # shared: in the agent's sandbox, after every process it left is gone and what it planted where the verifier
+    # reads is set aside; fresh: in a fresh sandbox of the same environment with the agent's work copied in
+    # (the task's declared artifacts, else its working directory); it cannot serve tests that look at processes
+    isolation: Isolation = Isolation.shared
 
 
 @dataclass
@@ -370,6 +392,9 @@ class GRPOConfig:
     max_off_policy_steps: int = 0  # k: step t's rollouts are sampled from the weights of step t-k while it trains
     max_replaced_groups: int = 0  # a step samples at most this many fresh groups in place of ones that do not spread
     retire_after: int = 0  # an RL task's groups in a row all solved or all unsolved before it is retired; 0 = never
+    # an episode that touched what the verifier reads (Episode.tamper): zero = scored 0 | drop = not trained on |
+    # keep = scored as verified; counted in rollout/tamper_episodes whichever
+    tamper: TamperPolicy = TamperPolicy.zero
 
 
 @dataclass
@@ -411,6 +436,7 @@ class Config:
     logger: LoggerConfig = MISSING
     eval: EvalConfig = field(default_factory=EvalConfig)
     harbor: HarborConfig = field(default_factory=HarborConfig)
+    verifier: VerifierConfig = field(default_factory=VerifierConfig)
     collect: CollectConfig = field(default_factory=CollectConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)

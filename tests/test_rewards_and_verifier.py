@@ -93,8 +93,9 @@ def test_ctrf_wins_over_junit(tmp_path):
     }
     (tmp_path / "ctrf.json").write_text(json.dumps(ctrf))
     (tmp_path / "junit.xml").write_text(JUNIT)
+    (tmp_path / "reward.txt").write_text("1\n")
     report = read_results(tmp_path)
-    assert report.tests == {"t1": PASSED, "t2": PASSED} and report.strict
+    assert report.tests == {"t1": PASSED, "t2": PASSED} and report.strict and report.source == "ctrf"
 
 
 def test_reward_json_without_tests_is_the_fraction(tmp_path):

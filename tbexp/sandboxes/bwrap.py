@@ -37,16 +37,26 @@ import time
 import uuid
 from pathlib import Path
 
-from tbexp.sandboxes import provision
-from tbexp.sandboxes.base import OUTPUT_LIMIT_EXIT, TIMEOUT_EXIT, ExecResult, Sandbox, SandboxError, task_limits
+from tbexp.sandboxes import agent_state, provision
+from tbexp.sandboxes.base import (
+    DEFAULT_PATH,
+    OUTPUT_LIMIT_EXIT,
+    TIMEOUT_EXIT,
+    Change,
+    ExecResult,
+    Sandbox,
+    SandboxError,
+    task_limits,
+)
 from tbexp.sandboxes.cgroup import Cgroup, leftover_cgroups
 from tbexp.sandboxes.dockerfile import DockerfileError
 from tbexp.sandboxes.environment_build import user_ids
 from tbexp.sandboxes.environments import bwrap_environment
+from tbexp.sandboxes.verifier_files import RUNTIME, RUNTIME_MOUNT
 
 WRITABLE = ("/app", "/tmp", "/root", "/logs", "/tests", "/solution")
 WORK_PARENT = Path(tempfile.gettempdir()) / "tbexp-sandboxes"
-PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+PATH = DEFAULT_PATH
 _reaped = False
 # $1 = the command, $2 = a marker: the command's output, then "<marker> <exit code>", then the bwrap stays up.
 DAEMON_SCRIPT = (
@@ -103,6 +113,11 @@ class BwrapSandbox(Sandbox):
         self.provision = provision.prepare(self.task)
         if self.provision:
             self.provision = self.provision.with_interpreters(provision.interpreters_in_root(self.rootfs))
+        self.image_path = self.env.env.get("PATH", PATH)
+        self.verifier_dirs = {
+            "/tests": self.work / ".verifier" / "tests",
+            "/logs/verifier": self.work / ".verifier" / "logs",
+        }
 
     def exec(self, command: str, timeout_s: float | None = None) -> ExecResult:
         timeout_s = self.settings.command_timeout_s if timeout_s is None else timeout_s
@@ -174,6 +189,46 @@ class BwrapSandbox(Sandbox):
         if getattr(self, "work", None) and self.work.exists():
             _release_work(self.work, getattr(self, "mounted", False))
 
+    # -- the verifier's side (tbexp.episodes.integrity, tbexp.sandboxes.agent_state) ----------------------------
+
+    def mark_agent_start(self) -> None:
+        self._mark = agent_state.ProcessMark(self.cgroup, self._inits()) if self.cgroup else None
+        self._first_agent_daemon = len(self.daemons)
+        self._files = agent_state.snapshot(self.work, self.writable)
+
+    def agent_processes(self) -> list[str]:
+        if getattr(self, "_mark", None) is not None:
+            return [f"{pid} {line}" for pid, line in self._mark.agents().items()]
+        daemons = self.daemons[getattr(self, "_first_agent_daemon", len(self.daemons)) :]
+        return [f"{d.pid} {agent_state.cmdline(d.pid)}" for d in daemons if d.poll() is None]
+
+    def end_agent_processes(self) -> list[str]:
+        for proc in self.daemons[getattr(self, "_first_agent_daemon", len(self.daemons)) :]:
+            _kill_daemon(proc, None)  # its PID namespace, and all the agent ran in it, ends with it
+        return self._mark.end() if getattr(self, "_mark", None) is not None else []
+
+    def agent_changes(self) -> list[Change]:
+        if getattr(self, "_files", None) is None:
+            return []
+        return agent_state.diff(self._files, agent_state.snapshot(self.work, self.writable))
+
+    def begin_verification(self) -> None:
+        """The verifier's execs get /tests and /logs/verifier of their own, which no agent process has mounted,
+        and tbexp's start-up folder read-only (tbexp.episodes.integrity)."""
+        for host in (*self.verifier_dirs.values(), self.work / "tmp" / RUNTIME_MOUNT.removeprefix("/tmp/")):
+            _replace_with_dir(host)
+        self.verifier_dirs["/logs/verifier"].chmod(0o777)  # a non-root [verifier] user writes there
+        for mount_point in (self.work / "logs" / "verifier",):  # where the bind goes: a real directory
+            _replace_with_dir(mount_point)
+        self.verifying = True
+
+    def agent_roots(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys((self.workdir, *self.writable)))
+
+    def _inits(self) -> set[int]:
+        """Processes that adopt orphans (a PID namespace's first): their descendants are not the environment's."""
+        return set()
+
     # -- helpers --------------------------------------------------------------
 
     def _exec_argv(self, command: str) -> list[str]:
@@ -196,6 +251,10 @@ class BwrapSandbox(Sandbox):
             argv += ["--bind", str(self.work / path.lstrip("/")), path]
         for host, path in self.provision.mounts if self.provision else []:
             argv += ["--ro-bind", str(host), path]
+        if self.verifying:  # after the agent's writable paths, so these lie over them
+            for path, host in self.verifier_dirs.items():
+                argv += ["--bind", str(host), path]
+            argv += ["--ro-bind", str(RUNTIME), RUNTIME_MOUNT]
         argv += [
             "--proc",
             "/proc",
@@ -245,6 +304,9 @@ class BwrapSandbox(Sandbox):
     def _host_path(self, remote: str) -> Path:
         """Map a sandbox path to the host, refusing anything outside the writable mounts."""
         norm = os.path.normpath(remote if remote.startswith("/") else f"{self.workdir}/{remote}")
+        for path, host in self.verifier_dirs.items() if self.verifying else ():
+            if norm == path or norm.startswith(path + "/"):
+                return _inside(host / os.path.relpath(norm, path), host, remote)
         for root in self.writable:
             if norm == root or norm.startswith(root + "/"):
                 host = self.work / norm.lstrip("/")
@@ -254,6 +316,23 @@ class BwrapSandbox(Sandbox):
                     raise SandboxError(f"{remote}: resolves outside the sandbox")
                 return host
         raise SandboxError(f"{remote}: only {', '.join(self.writable)} are writable in a bwrap sandbox")
+
+
+def _inside(host: Path, root: Path, remote: str) -> Path:
+    """`host` under `root`, through no symlink that leads out."""
+    parent = host.parent.resolve()
+    if host != root and parent != root.resolve() and root.resolve() not in parent.parents:
+        raise SandboxError(f"{remote}: resolves outside the sandbox")
+    return host
+
+
+def _replace_with_dir(host: Path) -> None:
+    """An empty directory at `host`, whatever stood there (a symlink is removed, never followed)."""
+    if host.is_symlink() or host.is_file():
+        host.unlink()
+    elif host.is_dir():
+        shutil.rmtree(host)
+    host.mkdir(parents=True)
 
 
 def _read_capped(proc: subprocess.Popen, timeout_s: float, limit: int, kill) -> tuple[bytes, bool, bool]:

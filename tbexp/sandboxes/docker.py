@@ -54,10 +54,11 @@ from pathlib import Path, PurePosixPath
 
 import docker
 
-from tbexp.sandboxes import provision
+from tbexp.sandboxes import base, docker_agent_state, provision
 from tbexp.sandboxes.base import OUTPUT_LIMIT_EXIT, TIMEOUT_EXIT, ExecResult, Sandbox, SandboxError, task_limits
 from tbexp.sandboxes.docker_containers import _container_options, _create_container, _guard_process
 from tbexp.sandboxes.docker_images import ENGINE_ERRORS, _client, _ensure_image
+from tbexp.sandboxes.verifier_files import RUNTIME, RUNTIME_MOUNT
 
 log = logging.getLogger(__name__)
 
@@ -89,15 +90,17 @@ class DockerSandbox(Sandbox):
             config = self.api.inspect_image(image)["Config"] or {}
             image_workdir = config.get("WorkingDir") or "/"
             self.workdir = image_workdir if image_workdir != "/" else self.task.workdir  # as bwrap
-            image_env = {entry.partition("=")[0] for entry in config.get("Env") or []}
+            image_vars = dict(entry.partition("=")[::2] for entry in config.get("Env") or [])
+            image_env = set(image_vars)
+            self.image_path = image_vars.get("PATH", base.DEFAULT_PATH)
             env = {k: v for k, v in {"LANG": "C.UTF-8", "TERM": "xterm"}.items() if k not in image_env}
             network = self.task.network_mode == "public" and self.settings.allow_network  # else --network none
             self.limits = task_limits(self.settings, self.task)
             options = _container_options(self.settings, self.task.name, self.workdir, env, network, self.limits)
             # What a TB2 test.sh would download (uv, its wheels), bound read-only: see provision.py.
             self.provision = provision.prepare(self.task)
-            if self.provision:
-                options["host_config"]["binds"] = [f"{host}:{path}:ro" for host, path in self.provision.mounts]
+            mounts = [*(self.provision.mounts if self.provision else []), (RUNTIME, RUNTIME_MOUNT)]
+            options["host_config"]["binds"] = [f"{host}:{path}:ro" for host, path in mounts]  # read-only to all
             self.id = _create_container(self.api, image, options)
             self.api.start(self.id)
             self._check_users()
@@ -189,6 +192,38 @@ class DockerSandbox(Sandbox):
         except ENGINE_ERRORS as err:
             if "already in progress" not in str(err):  # auto-remove got there first
                 log.warning("could not remove container %s (it ends itself within max_lifetime_s): %s", cid[:12], err)
+
+    # -- the verifier's side (tbexp.episodes.integrity, tbexp.sandboxes.docker_agent_state) ----------------------
+
+    def mark_agent_start(self) -> None:
+        self._mark = docker_agent_state.ProcessMark(self)
+        self._upper = docker_agent_state.upper_dir(self.api, self.id)
+        self._state_at_start = docker_agent_state.state(self.api, self.id, self._upper)
+
+    def agent_processes(self) -> list[str]:
+        mark = getattr(self, "_mark", None)
+        return [f"{pid} {line}" for pid, line in mark.agents().items()] if mark else []
+
+    def end_agent_processes(self) -> list[str]:
+        mark = getattr(self, "_mark", None)
+        survivors = mark.end() if mark else []
+        # The verifier's execs clean up after themselves again, unless the environment runs services of its own.
+        self.keep_processes = bool(mark) and not mark.only_init and getattr(self, "keep_processes", False)
+        return survivors
+
+    def agent_changes(self) -> list[base.Change]:
+        if getattr(self, "_state_at_start", None) is None:
+            return []
+        now = docker_agent_state.state(self.api, self.id, self._upper)
+        return docker_agent_state.changes(self._state_at_start, now)
+
+    def run_as_root(self, argv: list[str]) -> str:
+        """One exec as root without the wrapper (nothing is killed after it): its output."""
+        try:
+            exec_id = self.api.exec_create(self.id, argv, user="root")["Id"]
+            return self.api.exec_start(exec_id).decode(errors="replace")
+        except ENGINE_ERRORS as err:
+            raise SandboxError(f"cannot exec in container {self.id}: {err}") from err
 
     # -- helpers --------------------------------------------------------------
 
