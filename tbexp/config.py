@@ -28,6 +28,7 @@ class Stage(StrEnum):
     filter = "filter"
     grpo = "grpo"
     pipeline = "pipeline"
+    check = "check"  # a task set's manifest: oracle and do-nothing once each (tbexp.stages.check)
 
 
 class Policy(StrEnum):
@@ -219,6 +220,7 @@ class TasksConfig:
         0.0  # builtin: share of each family's train tasks kept for RL only; SFT never sees their solutions
     )
     strict: bool = False  # true: a task that cannot be loaded is fatal; false: it is listed and the rest runs
+    manifest: str = ""  # a check.json (stage=check): only the tasks it calls usable; "" = every task
 
 
 @dataclass
@@ -405,6 +407,15 @@ class PipelineConfig:
 
 
 @dataclass
+class CheckConfig:
+    """stage=check: every task once with the oracle and once with the do-nothing policy (tbexp.stages.check)."""
+
+    n_runs: int = 1  # episodes of each policy per task
+    concurrency: int = 4  # episodes at once
+    manifest: str = ""  # where check.json goes; "" = the run directory
+
+
+@dataclass
 class CollectConfig:
     split: Split = Split.train  # which built-in split to collect on
     n_runs: int = 1  # episodes per task; only verified successes are kept
@@ -437,6 +448,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     harbor: HarborConfig = field(default_factory=HarborConfig)
     verifier: VerifierConfig = field(default_factory=VerifierConfig)
+    check: CheckConfig = field(default_factory=CheckConfig)
     collect: CollectConfig = field(default_factory=CollectConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
@@ -509,6 +521,8 @@ def check(cfg: Any) -> None:
         ("eval.n_runs", cfg.eval.n_runs),
         ("eval.concurrency", cfg.eval.concurrency),
         ("collect.concurrency", cfg.collect.concurrency),
+        ("check.concurrency", cfg.check.concurrency),
+        ("check.n_runs", cfg.check.n_runs),
         ("agent.max_turns", cfg.agent.max_turns),
     ):
         if value < 1:

@@ -79,8 +79,9 @@ def of(sandbox: Any) -> Integrity:
     return sandbox.integrity
 
 
-def begin(sandbox: Any, task: Any) -> Integrity:
-    """Steps 1-3 of the module docstring, once per verification phase; the record."""
+def begin(sandbox: Any, task: Any, tests_in_image: bool = False) -> Integrity:
+    """Steps 1-3 of the module docstring, once per verification phase; the record. `tests_in_image`: the sandbox's
+    image holds /tests (a separate verifier's), which the verifier's side then keeps."""
     record = of(sandbox)
     if record.begun:
         return record
@@ -106,7 +107,7 @@ def begin(sandbox: Any, task: Any) -> Integrity:
         sandbox.set_aside(aside)
         record.set_aside += aside
     record.add(*tamper)
-    sandbox.begin_verification()
+    sandbox.begin_verification(fresh_tests=not tests_in_image)
     record.begun = True
     return record
 

@@ -85,7 +85,7 @@ def verify(sandbox: Sandbox, task: Task, shared_tests: Sequence[Path] = (), test
 
     `tests_in_image`: the sandbox's image already holds /tests (a separate verifier's tests/Dockerfile).
     """
-    record = integrity.begin(sandbox, task)
+    record = integrity.begin(sandbox, task, tests_in_image)
     with sandbox.as_user("root"):  # what it cannot clear, the upload and the tests meet
         sandbox.exec(PREPARE_LOGS if tests_in_image else PREPARE, timeout_s=PREPARE_TIMEOUT_S)
     for tests in () if tests_in_image else (*shared_tests, task.tests_dir):

@@ -157,8 +157,9 @@ class Sandbox(abc.ABC):
         with self.as_user("root"):
             return "tbexp-shadows" in self.exec(script, timeout_s=30).output
 
-    def begin_verification(self) -> None:
-        """From now on execs are the verifier's (bwrap: a namespace no agent process is in)."""
+    def begin_verification(self, fresh_tests: bool = True) -> None:
+        """From now on execs are the verifier's (bwrap: a namespace no agent process is in); `fresh_tests`: with a
+        /tests of their own (False: the image's, a separate verifier's tests/Dockerfile put them there)."""
         self.verifying = True
 
     def end_verification(self) -> None:

@@ -212,9 +212,11 @@ class BwrapSandbox(Sandbox):
             return []
         return agent_state.diff(self._files, agent_state.snapshot(self.work, self.writable))
 
-    def begin_verification(self) -> None:
+    def begin_verification(self, fresh_tests: bool = True) -> None:
         """The verifier's execs get /tests and /logs/verifier of their own, which no agent process has mounted,
         and tbexp's start-up folder read-only (tbexp.episodes.integrity)."""
+        if not fresh_tests:  # the image's /tests (a separate verifier's): the sandbox's own copy of it stays
+            self.verifier_dirs.pop("/tests", None)
         for host in (*self.verifier_dirs.values(), self.work / "tmp" / RUNTIME_MOUNT.removeprefix("/tmp/")):
             _replace_with_dir(host)
         self.verifier_dirs["/logs/verifier"].chmod(0o777)  # a non-root [verifier] user writes there

@@ -65,7 +65,7 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from tbexp.config import BwrapSandboxConfig, DockerSandboxConfig, SandboxConfig  # noqa: E402
 from tbexp.episodes import integrity  # noqa: E402
-from tbexp.episodes.verifier import PREPARE, PREPARE_TIMEOUT_S  # noqa: E402
+from tbexp.episodes.verifier import PREPARE, PREPARE_LOGS, PREPARE_TIMEOUT_S  # noqa: E402
 from tbexp.sandboxes import provision  # noqa: E402
 from tbexp.sandboxes.base import Sandbox  # noqa: E402
 from tbexp.tasks.harbor_task import Task  # noqa: E402
@@ -179,9 +179,11 @@ class SandboxEnvironment(BaseEnvironment):
         return ExecResult(stdout=result.output, stderr="", return_code=result.exit_code)
 
     def _begin_verification(self) -> None:
-        record = integrity.begin(self.sandbox, self.task)
-        with self.sandbox.as_user("root"):
-            self.sandbox.exec(PREPARE, timeout_s=PREPARE_TIMEOUT_S)  # Harbor removes only the reward files
+        # A separate verifier environment built from tests/ holds the tests in its image (Harbor skips the upload).
+        in_image = Path(self.environment_dir).name == "tests"
+        record = integrity.begin(self.sandbox, self.task, tests_in_image=in_image)
+        with self.sandbox.as_user("root"):  # Harbor removes only the reward files
+            self.sandbox.exec(PREPARE_LOGS if in_image else PREPARE, timeout_s=PREPARE_TIMEOUT_S)
         path = Path(self.trial_paths.trial_dir) / INTEGRITY_FILE
         path.write_text(json.dumps(record.record(), indent=1))
 

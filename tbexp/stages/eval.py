@@ -113,6 +113,10 @@ def evaluate(
     if tasks.unloadable:
         reasons = out / "unloadable_tasks.json"
         print(f"{len(tasks.unloadable)} task(s) cannot be loaded and are left out; reasons in {reasons}")
+    excluded = getattr(tasks, "excluded", {})
+    (out / "excluded_tasks.json").write_text(json.dumps(excluded, indent=1))  # task -> why tasks.manifest left it out
+    if excluded:
+        print(f"{len(excluded)} task(s) left out by tasks.manifest; reasons in {out / 'excluded_tasks.json'}")
     name = label or policy
     n_runs = n_runs or cfg.eval.n_runs
     log.info(
@@ -127,6 +131,7 @@ def evaluate(
     rewards = score_episodes(episodes, per_test)
     metrics = summarize(episodes, rewards)
     metrics["tasks/unloadable"] = float(len(tasks.unloadable))
+    metrics["tasks/excluded"] = float(len(excluded))
     if cfg.reward.name != "per_test":
         trained = score_episodes(episodes, job.reward)
         metrics[f"eval/{cfg.reward.name}_reward"] = summarize(episodes, trained)["eval/reward"]
