@@ -527,6 +527,11 @@ def check(cfg: Any) -> None:
     ):
         if value < 1:
             raise ConfigError(f"{key}={value}: must be at least 1")
+    if cfg.verifier.isolation == "fresh" and "harbor" in (cfg.eval.harness, cfg.grpo.harness):
+        raise ConfigError(
+            "verifier.isolation=fresh runs tbexp's own verifier in a fresh sandbox; Harbor's trials (eval.harness or "
+            "grpo.harness=harbor) verify as Harbor does, in the agent's environment: use harness=native with it"
+        )
     if cfg.eval.promote_z < 0:
         raise ConfigError(f"eval.promote_z={cfg.eval.promote_z}: must be >= 0 (0 = decide on the difference alone)")
     for key, value in (("backend.threads", cfg.backend.threads), ("backend.train_threads", cfg.backend.train_threads)):
