@@ -176,3 +176,15 @@ def test_a_failed_report_stays_failed_under_any_policy():
         "t", TestReport({"a": FAILED}, {"reward": 0.0}), ["tests folder written before the verifier: /tests/x"]
     )
     assert score_episodes(apply_tamper([failed], "keep"), per_test) == {id(failed): 0.0}
+
+
+def test_the_tamper_policies_are_config_choices():
+    from hydra.errors import ConfigCompositionException
+
+    from tests.conftest import compose_config
+
+    cfg = compose_config("grpo.tamper=drop", "eval.tamper=keep", "verifier.isolation=fresh")
+    assert (cfg.grpo.tamper, cfg.eval.tamper, cfg.verifier.isolation) == ("drop", "keep", "fresh")
+    assert compose_config().grpo.tamper == "zero" and compose_config().verifier.isolation == "shared"
+    with pytest.raises(ConfigCompositionException):
+        compose_config("grpo.tamper=forgive")

@@ -14,9 +14,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
-from tbexp.sandboxes.base import Change
+from tbexp.sandboxes.base import Change, SandboxError
 from tbexp.sandboxes.cgroup import kill_until_gone
 
 END_ROUNDS_S = 5.0  # how long `end` keeps killing before it reports what is still alive
@@ -113,3 +114,71 @@ def diff(before: dict[str, tuple], after: dict[str, tuple]) -> list[Change]:
             changes.append(Change(path, "changed", now[0]))
     changes += [Change(path, "deleted", was[0]) for path, was in before.items() if path not in after]
     return sorted(changes, key=lambda c: c.path)
+
+
+class BwrapAgentSide:
+    """BwrapSandbox's side of tbexp.episodes.integrity: the agent's processes and files, and the verifier's binds.
+
+    Uses the sandbox's `work` (its host folder), `writable`, `cgroup`, `daemons` (start_daemon's bwraps),
+    `verifier_dirs` (sandbox path -> the host folder the verifier's execs bind there) and `_end_daemon`.
+    """
+
+    def mark_agent_start(self) -> None:
+        self._mark = ProcessMark(self.cgroup, self._inits()) if self.cgroup else None
+        self._first_agent_daemon = len(self.daemons)
+        self._files = snapshot(self.work, self.writable)
+
+    def agent_processes(self) -> list[str]:
+        if getattr(self, "_mark", None) is not None:
+            return [f"{pid} {line}" for pid, line in self._mark.agents().items()]
+        return [f"{d.pid} {cmdline(d.pid)}" for d in self._agent_daemons() if d.poll() is None]
+
+    def end_agent_processes(self) -> list[str]:
+        for proc in self._agent_daemons():
+            self._end_daemon(proc)
+        return self._mark.end() if getattr(self, "_mark", None) is not None else []
+
+    def agent_changes(self) -> list[Change]:
+        if getattr(self, "_files", None) is None:
+            return []
+        return diff(self._files, snapshot(self.work, self.writable))
+
+    def begin_verification(self, fresh_tests: bool = True) -> None:
+        """The verifier's execs get /tests and /logs/verifier of their own, which no agent process has mounted,
+        and tbexp's start-up folder read-only (tbexp.episodes.integrity)."""
+        from tbexp.sandboxes.verifier_files import RUNTIME_MOUNT
+
+        if not fresh_tests:  # the image's /tests (a separate verifier's): the sandbox's own copy of it stays
+            self.verifier_dirs.pop("/tests", None)
+        mount_points = (self.work / "tmp" / RUNTIME_MOUNT.removeprefix("/tmp/"), self.work / "logs" / "verifier")
+        for host in (*self.verifier_dirs.values(), *mount_points):  # where the binds go: real, empty folders
+            replace_with_dir(host)
+        self.verifier_dirs["/logs/verifier"].chmod(0o777)  # a non-root [verifier] user writes there
+        self.verifying = True
+
+    def agent_roots(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys((self.workdir, *self.writable)))
+
+    def _agent_daemons(self) -> list:
+        return self.daemons[getattr(self, "_first_agent_daemon", len(self.daemons)) :]
+
+    def _inits(self) -> set[int]:
+        """Processes that adopt orphans (a PID namespace's first): their descendants are not the environment's."""
+        return set()
+
+
+def inside(host: Path, root: Path, remote: str) -> Path:
+    """`host` under `root`, through no symlink that leads out."""
+    parent = host.parent.resolve()
+    if host != root and parent != root.resolve() and root.resolve() not in parent.parents:
+        raise SandboxError(f"{remote}: resolves outside the sandbox")
+    return host
+
+
+def replace_with_dir(host: Path) -> None:
+    """An empty directory at `host`, whatever stood there (a symlink is removed, never followed)."""
+    if host.is_symlink() or host.is_file():
+        host.unlink()
+    elif host.is_dir():
+        shutil.rmtree(host)
+    host.mkdir(parents=True)

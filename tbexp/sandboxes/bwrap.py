@@ -42,7 +42,6 @@ from tbexp.sandboxes.base import (
     DEFAULT_PATH,
     OUTPUT_LIMIT_EXIT,
     TIMEOUT_EXIT,
-    Change,
     ExecResult,
     Sandbox,
     SandboxError,
@@ -65,7 +64,7 @@ DAEMON_SCRIPT = (
 )
 
 
-class BwrapSandbox(Sandbox):
+class BwrapSandbox(agent_state.BwrapAgentSide, Sandbox):
     writable = WRITABLE  # the sandbox's own paths; a non-root USER's home joins them at start
     keep_processes = False  # True (bwrap_session.py): what a command starts lives on until stop()
 
@@ -189,47 +188,8 @@ class BwrapSandbox(Sandbox):
         if getattr(self, "work", None) and self.work.exists():
             _release_work(self.work, getattr(self, "mounted", False))
 
-    # -- the verifier's side (tbexp.episodes.integrity, tbexp.sandboxes.agent_state) ----------------------------
-
-    def mark_agent_start(self) -> None:
-        self._mark = agent_state.ProcessMark(self.cgroup, self._inits()) if self.cgroup else None
-        self._first_agent_daemon = len(self.daemons)
-        self._files = agent_state.snapshot(self.work, self.writable)
-
-    def agent_processes(self) -> list[str]:
-        if getattr(self, "_mark", None) is not None:
-            return [f"{pid} {line}" for pid, line in self._mark.agents().items()]
-        daemons = self.daemons[getattr(self, "_first_agent_daemon", len(self.daemons)) :]
-        return [f"{d.pid} {agent_state.cmdline(d.pid)}" for d in daemons if d.poll() is None]
-
-    def end_agent_processes(self) -> list[str]:
-        for proc in self.daemons[getattr(self, "_first_agent_daemon", len(self.daemons)) :]:
-            _kill_daemon(proc, None)  # its PID namespace, and all the agent ran in it, ends with it
-        return self._mark.end() if getattr(self, "_mark", None) is not None else []
-
-    def agent_changes(self) -> list[Change]:
-        if getattr(self, "_files", None) is None:
-            return []
-        return agent_state.diff(self._files, agent_state.snapshot(self.work, self.writable))
-
-    def begin_verification(self, fresh_tests: bool = True) -> None:
-        """The verifier's execs get /tests and /logs/verifier of their own, which no agent process has mounted,
-        and tbexp's start-up folder read-only (tbexp.episodes.integrity)."""
-        if not fresh_tests:  # the image's /tests (a separate verifier's): the sandbox's own copy of it stays
-            self.verifier_dirs.pop("/tests", None)
-        for host in (*self.verifier_dirs.values(), self.work / "tmp" / RUNTIME_MOUNT.removeprefix("/tmp/")):
-            _replace_with_dir(host)
-        self.verifier_dirs["/logs/verifier"].chmod(0o777)  # a non-root [verifier] user writes there
-        for mount_point in (self.work / "logs" / "verifier",):  # where the bind goes: a real directory
-            _replace_with_dir(mount_point)
-        self.verifying = True
-
-    def agent_roots(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys((self.workdir, *self.writable)))
-
-    def _inits(self) -> set[int]:
-        """Processes that adopt orphans (a PID namespace's first): their descendants are not the environment's."""
-        return set()
+    def _end_daemon(self, proc: subprocess.Popen) -> None:
+        _kill_daemon(proc, None)  # its PID namespace, and all the agent ran in it, ends with it
 
     # -- helpers --------------------------------------------------------------
 
@@ -308,7 +268,7 @@ class BwrapSandbox(Sandbox):
         norm = os.path.normpath(remote if remote.startswith("/") else f"{self.workdir}/{remote}")
         for path, host in self.verifier_dirs.items() if self.verifying else ():
             if norm == path or norm.startswith(path + "/"):
-                return _inside(host / os.path.relpath(norm, path), host, remote)
+                return agent_state.inside(host / os.path.relpath(norm, path), host, remote)
         for root in self.writable:
             if norm == root or norm.startswith(root + "/"):
                 host = self.work / norm.lstrip("/")
@@ -318,23 +278,6 @@ class BwrapSandbox(Sandbox):
                     raise SandboxError(f"{remote}: resolves outside the sandbox")
                 return host
         raise SandboxError(f"{remote}: only {', '.join(self.writable)} are writable in a bwrap sandbox")
-
-
-def _inside(host: Path, root: Path, remote: str) -> Path:
-    """`host` under `root`, through no symlink that leads out."""
-    parent = host.parent.resolve()
-    if host != root and parent != root.resolve() and root.resolve() not in parent.parents:
-        raise SandboxError(f"{remote}: resolves outside the sandbox")
-    return host
-
-
-def _replace_with_dir(host: Path) -> None:
-    """An empty directory at `host`, whatever stood there (a symlink is removed, never followed)."""
-    if host.is_symlink() or host.is_file():
-        host.unlink()
-    elif host.is_dir():
-        shutil.rmtree(host)
-    host.mkdir(parents=True)
 
 
 def _read_capped(proc: subprocess.Popen, timeout_s: float, limit: int, kill) -> tuple[bytes, bool, bool]:

@@ -76,7 +76,7 @@ exit "$code"
 KILL_ALL = ["bash", "-c", "kill -9 -1"]
 
 
-class DockerSandbox(Sandbox):
+class DockerSandbox(docker_agent_state.DockerAgentSide, Sandbox):
     @classmethod
     def prepare(cls, settings, task) -> None:
         _ensure_image(_client(), task, settings)
@@ -192,30 +192,6 @@ class DockerSandbox(Sandbox):
         except ENGINE_ERRORS as err:
             if "already in progress" not in str(err):  # auto-remove got there first
                 log.warning("could not remove container %s (it ends itself within max_lifetime_s): %s", cid[:12], err)
-
-    # -- the verifier's side (tbexp.episodes.integrity, tbexp.sandboxes.docker_agent_state) ----------------------
-
-    def mark_agent_start(self) -> None:
-        self._mark = docker_agent_state.ProcessMark(self)
-        self._upper = docker_agent_state.upper_dir(self.api, self.id)
-        self._state_at_start = docker_agent_state.state(self.api, self.id, self._upper)
-
-    def agent_processes(self) -> list[str]:
-        mark = getattr(self, "_mark", None)
-        return [f"{pid} {line}" for pid, line in mark.agents().items()] if mark else []
-
-    def end_agent_processes(self) -> list[str]:
-        mark = getattr(self, "_mark", None)
-        survivors = mark.end() if mark else []
-        # The verifier's execs clean up after themselves again, unless the environment runs services of its own.
-        self.keep_processes = bool(mark) and not mark.only_init and getattr(self, "keep_processes", False)
-        return survivors
-
-    def agent_changes(self) -> list[base.Change]:
-        if getattr(self, "_state_at_start", None) is None:
-            return []
-        now = docker_agent_state.state(self.api, self.id, self._upper)
-        return docker_agent_state.changes(self._state_at_start, now)
 
     def run_as_root(self, argv: list[str]) -> str:
         """One exec as root without the wrapper (nothing is killed after it): its output."""

@@ -116,3 +116,28 @@ def changes(before, after) -> list[Change]:
 def _whiteout(entry: tuple | None) -> bool:
     """overlayfs marks a file the container deleted with a character device in its layer."""
     return entry is not None and stat.S_ISCHR(entry[3])
+
+
+class DockerAgentSide:
+    """DockerSandbox's side of tbexp.episodes.integrity (uses its `api`, `id`, `keep_processes`, `run_as_root`)."""
+
+    def mark_agent_start(self) -> None:
+        self._mark = ProcessMark(self)
+        self._upper = upper_dir(self.api, self.id)
+        self._state_at_start = state(self.api, self.id, self._upper)
+
+    def agent_processes(self) -> list[str]:
+        mark = getattr(self, "_mark", None)
+        return [f"{pid} {line}" for pid, line in mark.agents().items()] if mark else []
+
+    def end_agent_processes(self) -> list[str]:
+        mark = getattr(self, "_mark", None)
+        survivors = mark.end() if mark else []
+        # The verifier's execs clean up after themselves again, unless the environment runs services of its own.
+        self.keep_processes = bool(mark) and not mark.only_init and getattr(self, "keep_processes", False)
+        return survivors
+
+    def agent_changes(self) -> list[Change]:
+        if getattr(self, "_state_at_start", None) is None:
+            return []
+        return changes(self._state_at_start, state(self.api, self.id, self._upper))
