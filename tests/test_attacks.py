@@ -9,10 +9,11 @@ policy plays it. One module fixture per runner runs every task once; each test a
 `attack.toml`: the per-test reward it must get (0 for an attack: its tests cannot be passed without solving;
 1 for the control), that it is never dropped as invalid, and the tamper findings that must be recorded
 (`tamper`, plus `tamper_docker` in Docker and `tamper_when_alive` where the agent's processes outlive its
-commands: Harbor's trials in bwrap, whose sandbox keeps them, as a container does). The control must have no
+commands: terminus_2's tmux session in either sandbox, and Harbor's trials in bwrap, whose sandbox keeps them, as
+a container does). The control must have no
 tamper finding. Each attack was run on the code before the hardening (docs/verdicts.md has the table): the
 fake tools, the shadowing module and the start-up hooks scored 1 in both sandboxes, the pytest configuration 1 in
-Docker, and through Harbor's trials the forged CTRF report and the writer left behind scored too.
+Docker, the writer and the watcher 1 with terminus_2 in both, and through Harbor's trials every attack in bwrap.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from tests.conftest import REPO, compose_config, compose_job
 ATTACKS = REPO / "tests" / "attacks"
 TASK_DIRS = sorted(p for p in ATTACKS.iterdir() if (p / "attack.toml").is_file())
 by_task = pytest.mark.parametrize("task_dir", TASK_DIRS, ids=[p.name for p in TASK_DIRS])
-PROCESSES_LIVE_ON = {("bwrap", "harbor")}  # runners whose sandbox keeps what a command started in the background
+# runners whose sandbox keeps what a command started in the background: terminus_2's tmux session, Harbor's bwrap
+PROCESSES_LIVE_ON = {("bwrap", "harbor"), ("bwrap", "terminus_2"), ("docker", "terminus_2")}
 
 
 def expectation(task_dir: Path, sandbox: str, harness: str) -> tuple[float, list[str]]:
@@ -43,10 +45,12 @@ def expectation(task_dir: Path, sandbox: str, harness: str) -> tuple[float, list
 
 
 def _run(sandbox: str, harness: str, out: Path) -> dict[str, object]:
+    """`harness`: native (raw_command), terminus_2 (tbexp's own loop with that agent) or harbor (Harbor's trials)."""
     from tbexp.build import run_policy
     from tbexp.tasks import load_task
 
-    overrides = (f"sandbox={sandbox}", "tasks=dir", f"tasks.path={ATTACKS}", f"eval.harness={harness}")
+    overrides = (f"sandbox={sandbox}", "tasks=dir", f"tasks.path={ATTACKS}")
+    overrides += ("agent=terminus_2",) if harness == "terminus_2" else (f"eval.harness={harness}",)
     tasks = [load_task(d) for d in TASK_DIRS]
     if harness == "harbor":
         from tbexp.episodes.harbor_trials import run_trials
@@ -59,8 +63,10 @@ def _run(sandbox: str, harness: str, out: Path) -> dict[str, object]:
 
 RUNNERS = [
     pytest.param(("bwrap", "native"), marks=pytest.mark.sandbox, id="bwrap"),
+    pytest.param(("bwrap", "terminus_2"), marks=pytest.mark.sandbox, id="bwrap-terminus_2"),
     pytest.param(("bwrap", "harbor"), marks=pytest.mark.sandbox, id="bwrap-harbor"),
     pytest.param(("docker", "native"), marks=pytest.mark.docker, id="docker"),
+    pytest.param(("docker", "terminus_2"), marks=pytest.mark.docker, id="docker-terminus_2"),
     pytest.param(("docker", "harbor"), marks=pytest.mark.docker, id="docker-harbor"),
 ]
 
