@@ -230,6 +230,7 @@ def run_policy(
             lambda t, a: make_policy(policy, t, a, runtime, run_index),
             job.sandbox_settings,
             job.cfg.agent.max_turns,
+            job.cfg.verifier.isolation,
         )
 
     jobs = [(task, r) for r in range(n_runs) for task in tasks]

@@ -28,6 +28,7 @@ class Stage(StrEnum):
     filter = "filter"
     grpo = "grpo"
     pipeline = "pipeline"
+    check = "check"  # a task set's manifest: oracle and do-nothing once each (tbexp.stages.check)
 
 
 class Policy(StrEnum):
@@ -54,6 +55,17 @@ class FilterName(StrEnum):
 class Harness(StrEnum):
     native = "native"  # tbexp's own agent loop (tbexp.episodes.rollout)
     harbor = "harbor"  # Harbor's own trials (tbexp.episodes.harbor_trials)
+
+
+class Isolation(StrEnum):
+    shared = "shared"  # the tests run in the agent's sandbox, as Harbor runs them, hardened (docs/verdicts.md)
+    fresh = "fresh"  # in a fresh sandbox of the task's environment, the agent's work copied in
+
+
+class TamperPolicy(StrEnum):
+    zero = "zero"  # scored 0 (and counted)
+    drop = "drop"  # not scored, like an invalid episode (and counted)
+    keep = "keep"  # scored as the verifier found it (and counted)
 
 
 class LoggerName(StrEnum):
@@ -213,6 +225,7 @@ class TasksConfig:
         0.0  # builtin: share of each family's train tasks kept for RL only; SFT never sees their solutions
     )
     strict: bool = False  # true: a task that cannot be loaded is fatal; false: it is listed and the rest runs
+    manifest: str = ""  # a check.json (stage=check): only the tasks it calls usable; "" = every task
 
 
 @dataclass
@@ -281,6 +294,17 @@ class EvalConfig:
     harness: Harness = Harness.native  # harbor: Harbor's trials, agent and verifier (the `harbor` node)
     promote_z: float = 1.96  # ... plus this many paired standard errors (1.96: the 95% interval above it; 0 = off)
     incumbent: str = ""  # pipeline: the checkpoint the last row must beat; "" = the row before it (SFT)
+    tamper: TamperPolicy = TamperPolicy.zero  # an episode that touched what the verifier reads: zero | drop | keep
+
+
+@dataclass
+class VerifierConfig:
+    """How the task's tests are run after the agent (tbexp.episodes.integrity, docs/verdicts.md)."""
+
+    # shared: in the agent's sandbox, after every process it left is gone and what it planted where the verifier
+    # reads is set aside; fresh: in a fresh sandbox of the same environment with the agent's work copied in
+    # (the task's declared artifacts, else its working directory); it cannot serve tests that look at processes
+    isolation: Isolation = Isolation.shared
 
 
 @dataclass
@@ -375,6 +399,9 @@ class GRPOConfig:
     max_off_policy_steps: int = 0  # k: step t's rollouts are sampled from the weights of step t-k while it trains
     max_replaced_groups: int = 0  # a step samples at most this many fresh groups in place of ones that do not spread
     retire_after: int = 0  # an RL task's groups in a row all solved or all unsolved before it is retired; 0 = never
+    # an episode that touched what the verifier reads (Episode.tamper): zero = scored 0 | drop = not trained on |
+    # keep = scored as verified; counted in rollout/tamper_episodes whichever
+    tamper: TamperPolicy = TamperPolicy.zero
 
 
 @dataclass
@@ -382,6 +409,15 @@ class PipelineConfig:
     stages: list[PipelinePart] = field(default_factory=lambda: list(PipelinePart))
     cache_sft: bool = True  # SFT results are shared by content hash (a sweep's trials with one SFT setting train once)
     cache_evals: bool = True  # so are the base and SFT rows' held-out evals (scored once per SFT setting)
+
+
+@dataclass
+class CheckConfig:
+    """stage=check: every task once with the oracle and once with the do-nothing policy (tbexp.stages.check)."""
+
+    n_runs: int = 1  # episodes of each policy per task
+    concurrency: int = 4  # episodes at once
+    manifest: str = ""  # where check.json goes; "" = the run directory
 
 
 @dataclass
@@ -416,6 +452,8 @@ class Config:
     logger: LoggerConfig = MISSING
     eval: EvalConfig = field(default_factory=EvalConfig)
     harbor: HarborConfig = field(default_factory=HarborConfig)
+    verifier: VerifierConfig = field(default_factory=VerifierConfig)
+    check: CheckConfig = field(default_factory=CheckConfig)
     collect: CollectConfig = field(default_factory=CollectConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
@@ -491,10 +529,17 @@ def check(cfg: Any) -> None:
         ("eval.n_runs", cfg.eval.n_runs),
         ("eval.concurrency", cfg.eval.concurrency),
         ("collect.concurrency", cfg.collect.concurrency),
+        ("check.concurrency", cfg.check.concurrency),
+        ("check.n_runs", cfg.check.n_runs),
         ("agent.max_turns", cfg.agent.max_turns),
     ):
         if value < 1:
             raise ConfigError(f"{key}={value}: must be at least 1")
+    if cfg.verifier.isolation == "fresh" and "harbor" in (cfg.eval.harness, cfg.grpo.harness):
+        raise ConfigError(
+            "verifier.isolation=fresh runs tbexp's own verifier in a fresh sandbox; Harbor's trials (eval.harness or "
+            "grpo.harness=harbor) verify as Harbor does, in the agent's environment: use harness=native with it"
+        )
     if cfg.eval.promote_z < 0:
         raise ConfigError(f"eval.promote_z={cfg.eval.promote_z}: must be >= 0 (0 = decide on the difference alone)")
     for key, value in (("backend.threads", cfg.backend.threads), ("backend.train_threads", cfg.backend.train_threads)):

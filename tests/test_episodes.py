@@ -216,7 +216,7 @@ def _oracle(task, agent):
 
 
 def test_a_pytest_task_whose_verifier_ran_no_test_is_invalid_not_zero(settings, tmp_path):
-    # What an offline Terminal-Bench test.sh does: its pytest cannot be had, it writes reward 0 and no test report.
+    # What an offline Terminal-Bench test.sh does: its pytest cannot be had, it writes reward 0 and pytest never ran.
     task_dir = make_task(tmp_path)
     (task_dir / "tests" / "test.sh").write_text(
         "#!/bin/bash\nuvx pytest --ctrf /logs/verifier/ctrf.json /tests/test_outputs.py\necho 0 > /logs/verifier/reward.txt\n"
@@ -224,7 +224,8 @@ def test_a_pytest_task_whose_verifier_ran_no_test_is_invalid_not_zero(settings, 
     episode = run_episode(load_task(task_dir), 0, make_agent(settings.agent), _oracle, settings.sandbox, 4)
     assert episode.report is None and not episode.damage
     assert (
-        "reported no test that passed or failed" in episode.invalid
+        "pytest ran none" in episode.invalid
+        and "command uvx" in episode.invalid
         and "fails in a fresh sandbox too" in episode.invalid
     )
 

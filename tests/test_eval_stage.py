@@ -149,6 +149,7 @@ def _fake(name: str, run: int, strict: bool | None, invalid: str = "", damage: s
         n_commands=1,
         n_valid_commands=1,
         network="",
+        tamper=[],  # what the agent touched that the verifier reads (tbexp.episodes.integrity)
     )
 
 

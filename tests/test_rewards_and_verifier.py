@@ -93,8 +93,9 @@ def test_ctrf_wins_over_junit(tmp_path):
     }
     (tmp_path / "ctrf.json").write_text(json.dumps(ctrf))
     (tmp_path / "junit.xml").write_text(JUNIT)
+    (tmp_path / "reward.txt").write_text("1\n")
     report = read_results(tmp_path)
-    assert report.tests == {"t1": PASSED, "t2": PASSED} and report.strict
+    assert report.tests == {"t1": PASSED, "t2": PASSED} and report.strict and report.source == "ctrf"
 
 
 def test_reward_json_without_tests_is_the_fraction(tmp_path):
@@ -172,3 +173,74 @@ def test_a_test_sh_runs_pytest_when_a_command_names_it(script, calls):
     from tbexp.episodes.verifier import _calls_pytest
 
     assert _calls_pytest(script) is calls
+
+
+# ---------------------------------------------------------------- Harbor's contract: the reward file decides
+
+
+def _plugin_run(logs, name, tests, collection_errors=(), finished=True, exitstatus=1):
+    folder = logs / ".tbexp"
+    folder.mkdir(exist_ok=True)
+    record = {
+        "finished": finished,
+        "exitstatus": exitstatus,
+        "tests": tests,
+        "collection_errors": list(collection_errors),
+    }
+    (folder / f"run-{name}.json").write_text(json.dumps(record))
+
+
+def test_per_test_sources_in_order_and_the_source_is_said(tmp_path):
+    from tbexp.episodes.test_results import read_results
+
+    (tmp_path / "reward.txt").write_text("0\n")
+    (tmp_path / "test-stdout.txt").write_text("PASSED t.py::x\nFAILED t.py::y\n1 failed, 1 passed in 0.1s\n")
+    assert read_results(tmp_path).source == "pytest-output"
+    _plugin_run(tmp_path, "1", {"t.py::x": "passed", "t.py::y": "passed", "t.py::z": "failed"})
+    report = read_results(tmp_path)
+    assert (report.source, report.n_passed, report.n_total) == ("tbexp-pytest", 2, 3)
+    (tmp_path / "junit.xml").write_text(JUNIT)
+    assert read_results(tmp_path).source == "junit"
+    (tmp_path / "ctrf.json").write_text(json.dumps({"results": {"tests": [{"name": "a", "status": "passed"}]}}))
+    assert read_results(tmp_path).source == "ctrf"
+
+
+def test_the_reward_file_alone_decides_where_nothing_reports_a_test(tmp_path):
+    (tmp_path / "reward.txt").write_text("1\n")
+    report = read_results(tmp_path)
+    assert (report.source, report.tests, report.strict, report.fraction_passed) == ("reward-file", {}, True, 1.0)
+
+
+def test_every_pytest_run_counts_and_a_collection_error_is_a_failed_test(tmp_path):
+    (tmp_path / "reward.txt").write_text("0\n")
+    _plugin_run(tmp_path, "1", {"a.py::t": "passed"})
+    _plugin_run(tmp_path, "2", {"a.py::t": "passed"}, collection_errors=["b.py"], exitstatus=2)
+    report = read_results(tmp_path)
+    assert report.tests == {"a.py::t": PASSED, "run1::a.py::t": PASSED, "b.py::collection": FAILED}
+
+
+def test_a_failed_test_or_a_reward_below_1_is_no_strict_success():
+    assert not TestReport({"a": PASSED, "b": FAILED}, {"reward": 1.0}).strict
+    assert not TestReport({"a": PASSED}, {"reward": 0.0}).strict
+    assert TestReport({"a": PASSED}, {"reward": 1.0}).strict and TestReport({"a": PASSED}).strict
+
+
+def test_pytest_output_read_from_names_or_counts():
+    from tbexp.episodes.test_results import output_shows_pytest_ran, parse_pytest_output
+
+    verbose = "t.py::a PASSED [ 50%]\nt.py::b FAILED [100%]\n"
+    assert parse_pytest_output(verbose) == {"t.py::a": PASSED, "t.py::b": FAILED}
+    counted = parse_pytest_output("=== 1 failed, 2 passed, 1 skipped, 3 warnings in 0.21s ===\nE   2 errors in 0.1s\n")
+    assert sorted(counted.values()) == [FAILED, PASSED, PASSED, SKIPPED]
+    assert output_shows_pytest_ran("============ no tests ran in 0.01s ============")
+    assert not output_shows_pytest_ran("bash: pytest: command not found")
+
+
+def test_what_test_sh_could_not_have_offline_is_named():
+    from tbexp.episodes.test_results import offline_cause
+
+    uv = "  × No solution found when resolving tool dependencies:\n  ╰─▶ Because numpy==2.1.0 was not found in the provided package locations and you require numpy==2.1.0"
+    assert offline_cause(uv) == "package numpy"
+    assert offline_cause("ERROR: No matching distribution found for requests==2.32\n") == "package requests==2.32"
+    assert offline_cause("test.sh: line 3: pytest: command not found\n") == "command pytest"
+    assert offline_cause("pytest: error: unrecognized arguments: --ctrf x.json\n").startswith("pytest options --ctrf")

@@ -19,8 +19,10 @@ them with the same `tbexp.episodes.scoring` as its native episodes:
   (an environment, set-up or verifier failure; the reason is the trial's
   exception, or "no verifier result"); an agent time-out or an agent error
   Harbor still grades is scored, as in Harbor. The test report is read from the
-  trial's downloaded `verifier/` directory by tbexp's own reader (per-test
-  results from CTRF/JUnit, the task's rewards), else Harbor's rewards alone.
+  trial's downloaded `verifier/` directory by tbexp's own reader (the reward file,
+  per-test results by tbexp.episodes.test_results' sources), else Harbor's rewards alone.
+  The episode's tamper record is what tbexp's environment found before the verifier
+  (tbexp.sandboxes.harbor_env), read from the trial's folder.
 * the turns: the command agent's own, with their exit statuses, as in the
   native eval; terminus-2's are one per LLM call, each reply parsed by Harbor's
   own terminus parser; a reply that parses has its keystrokes counted as valid
@@ -40,6 +42,7 @@ steps' tokens not kept.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import re
@@ -56,6 +59,7 @@ from tbexp.agents.base import Action, Turn  # noqa: E402
 from tbexp.episodes import harbor_command_agent, harbor_llm  # noqa: E402
 from tbexp.episodes.policies import SampledTokens, SampledTurn  # noqa: E402
 from tbexp.episodes.rollout import Episode  # noqa: E402
+from tbexp.episodes.test_results import read_guard  # noqa: E402
 from tbexp.episodes.verifier import TestReport, VerifierError, read_results  # noqa: E402
 from tbexp.errors import TbexpError  # noqa: E402
 from tbexp.sandboxes.base import ExecResult  # noqa: E402
@@ -238,6 +242,7 @@ def to_episode(task: Any, run: int, result: Any, conversation: Any, parser: Any)
         # A command agent's turns carry their exit statuses; terminus-2's are its replies, parsed as Harbor parses them.
         episode.turns = conversation.turns or [_turn(text, parser) for text in conversation.texts]
     episode.time_s = _phases(result)
+    _read_integrity(episode, result)
     if not result.reward_valid:
         info = result.exception_info
         why = f"{info.exception_type}: {info.exception_message}" if info else "the verifier gave no reward"
@@ -249,6 +254,20 @@ def to_episode(task: Any, run: int, result: Any, conversation: Any, parser: Any)
     episode.sampled = (sampled_tokens(details[0]) if details else None) or SampledTokens()
     episode.sampled.sample_s = conversation.sample_s if conversation is not None else 0.0
     return episode
+
+
+def _read_integrity(episode: Episode, result: Any) -> None:
+    """What tbexp's environment found before Harbor's verifier ran (harbor_env.INTEGRITY_FILE), and the imports
+    its start-up refused during the tests; neither is there on a Harbor environment that is not tbexp's."""
+    trial = Path(result.config.trials_dir) / result.trial_name
+    path = trial / "tbexp-integrity.json"
+    if path.is_file():
+        record = json.loads(path.read_text())
+        episode.integrity.add(*record.get("tamper", []))
+        episode.integrity.set_aside += record.get("set_aside", [])
+        episode.integrity.left_processes += record.get("left_processes", [])
+    for refused in read_guard(TrialPaths(trial).verifier_dir):
+        episode.integrity.add(f"module planted in place of {refused.get('module')}: {refused.get('path')}")
 
 
 def _report(result: Any) -> TestReport:

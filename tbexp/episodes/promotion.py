@@ -48,6 +48,7 @@ def episode_records(episodes: list, rewards: dict[int, float]) -> list[dict[str,
                 "task": ep.task.name,
                 "run": ep.run,
                 "invalid": bool(ep.invalid),
+                "tamper": len(ep.tamper),  # findings of tbexp.episodes.integrity (0: none)
                 "strict": float(ep.report.strict) if scored else None,
                 "reward": rewards.get(id(ep)) if scored else None,
                 "turns": float(len(ep.turns)) if scored else None,

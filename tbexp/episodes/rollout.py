@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tbexp.agents.base import Agent, AgentSession, Turn
+from tbexp.episodes import integrity
+from tbexp.episodes.integrity import Integrity
 from tbexp.episodes.policies import SampledTokens, sampled_sequences
 from tbexp.episodes.separate_verifier import CONVENTION_DIR, verify_task
 from tbexp.episodes.verdicts import INFRA_ERRORS, NO_RESULT, judge, second_look
@@ -56,6 +58,13 @@ class Episode:
     step_sampled: list[SampledTokens] = field(default_factory=list)  # policy=model: every step's tokens, in order
     network: str = ""  # "" = the sandbox had the network the task asked for; else what it asked and what it got
     environment: str = ""  # where the sandbox's environment came from (Sandbox.environment_source); "" = never started
+    integrity: Integrity = field(default_factory=Integrity)  # what the agent left where the verifier reads
+    verified_report: TestReport | None = None  # the verifier's report of an episode its tamper policy scored 0
+
+    @property
+    def tamper(self) -> list[str]:
+        """What the agent touched that the verifier reads (tbexp.episodes.integrity); [] for none."""
+        return self.integrity.tamper
 
     @property
     def sequences(self) -> list[SampledTokens]:
@@ -72,8 +81,16 @@ class Episode:
 
 
 def run_episode(
-    task: Task, run: int, agent: Agent, policy_factory: PolicyFactory, sandbox_settings: Any, max_turns: int
+    task: Task,
+    run: int,
+    agent: Agent,
+    policy_factory: PolicyFactory,
+    sandbox_settings: Any,
+    max_turns: int,
+    isolation: str = "shared",
 ) -> Episode:
+    """One episode; `isolation` (verifier.isolation): shared = the tests run in the agent's sandbox, hardened
+    (tbexp.episodes.integrity); fresh = in a fresh sandbox of the task's environment with the agent's work copied in."""
     episode = Episode(task, run, network=network_note(task, sandbox_settings))
     clock = time.perf_counter()
     sandbox = make_sandbox(sandbox_settings, task)
@@ -85,7 +102,7 @@ def run_episode(
             sandbox.start()
             clock = _lap(episode, "start", clock)
             clock, failure, health, judged, shared = _run_steps(
-                episode, agent, policy_factory, sandbox, max_turns, clock
+                episode, agent, policy_factory, sandbox, max_turns, clock, isolation
             )
         else:
             policy = policy_factory(task, agent)
@@ -95,6 +112,7 @@ def run_episode(
             clock = _lap(episode, "start", clock)
             for local, remote in policy.uploads.items():
                 sandbox.upload(local, remote)
+            sandbox.mark_agent_start()  # what runs and what changes from here on is the agent's
             with sandbox.as_user(task.agent_user):  # a terminal the session starts is the agent user's
                 session = agent.open(sandbox)
             try:
@@ -102,7 +120,7 @@ def run_episode(
             finally:
                 session.close()
             clock = _lap(episode, "agent", clock)
-            episode.report, failure, health = _verify(episode, sandbox, task)
+            episode.report, failure, health = _verify(episode, sandbox, task, (), isolation)
             clock = _lap(episode, "verify", clock)
     except (SandboxError, VerifierError, OSError) as err:
         episode.invalid = f"{type(err).__name__}: {err}"
@@ -110,6 +128,7 @@ def run_episode(
         episode.invalid = f"unexpected {type(err).__name__}: {err}\n{traceback.format_exc()}"
     finally:
         episode.environment = getattr(sandbox, "environment_source", "")  # which of docker_image / Dockerfile ran
+        episode.integrity.merge(getattr(sandbox, "integrity", None))
         try:
             sandbox.stop()
         except Exception as err:  # a sandbox that cannot be stopped must not take the run down with it
@@ -153,14 +172,16 @@ def _start_phase(sandbox: Any, task: Task) -> None:
             sandbox.exec(f"mkdir -p {CONVENTION_DIR} && chmod 777 {CONVENTION_DIR}", timeout_s=30)
 
 
-def _verify(episode: Episode, sandbox: Any, task: Task, shared_tests: tuple = ()) -> tuple[TestReport | None, str, str]:
+def _verify(
+    episode: Episode, sandbox: Any, task: Task, shared_tests: tuple = (), isolation: str = "shared"
+) -> tuple[TestReport | None, str, str]:
     """(report, failure, health): the task's tests; a failure after the agent acted gets the second look."""
     try:
-        return verify_task(sandbox, task, shared_tests), "", ""
+        return verify_task(sandbox, task, shared_tests, isolation), "", ""
     except INFRA_ERRORS as err:
         if not _agent_acted(episode):
             raise  # the agent ran nothing: the failure cannot be its
-        return second_look(sandbox, task, err, shared_tests)
+        return second_look(sandbox, task, err, shared_tests, isolation)
 
 
 def _agent_acted(episode: Episode) -> bool:
@@ -196,7 +217,13 @@ def _turns(episode: Episode, policy: Any, session: AgentSession, max_turns: int,
 
 
 def _run_steps(
-    episode: Episode, agent: Agent, policy_factory: PolicyFactory, sandbox: Any, max_turns: int, clock: float
+    episode: Episode,
+    agent: Agent,
+    policy_factory: PolicyFactory,
+    sandbox: Any,
+    max_turns: int,
+    clock: float,
+    isolation: str = "shared",
 ) -> tuple[float, str, str, Task, tuple]:
     """A multi-step task's steps in order in one sandbox, as Harbor's MultiStepTrial runs them.
 
@@ -231,23 +258,31 @@ def _run_steps(
                 episode.step_sampled.append(episode.sampled)
             for local, remote in policy.uploads.items():
                 sandbox.upload(local, remote)
+            sandbox.mark_agent_start()
+            with sandbox.as_user(task.agent_user):  # a terminal the session starts is the agent user's
+                session = agent.open(sandbox)
             _agent_loop(episode, policy, session, max_turns, step_task)
+            session.close()
+            session = None
             messages += episode.messages
             clock = _lap(episode, "agent", clock)
             spent_s["agent"] += episode.time_s["agent"]
-            report, failure, health = _verify(episode, sandbox, step_task, shared)
+            report, failure, health = _verify(episode, sandbox, step_task, shared, isolation)
             clock = _lap(episode, "verify", clock)
             spent_s["verify"] += episode.time_s["verify"]
             if report is None:
                 break
             episode.step_reports[step.name] = report
-            sandbox.exec(
-                "rm -rf /tests/* /tests/.[!.]* /logs/verifier", timeout_s=30
-            )  # the next step must not see them
+            with sandbox.as_user("root"):
+                sandbox.exec(
+                    "rm -rf /tests/* /tests/.[!.]* /logs/verifier", timeout_s=30
+                )  # the next step must not see them
+            integrity.end(sandbox)
             if _below(report.rewards, step.min_reward):
                 break
     finally:
-        session.close()
+        if session is not None:
+            session.close()
     episode.messages = messages
     episode.time_s.update(spent_s)
     if not failure:

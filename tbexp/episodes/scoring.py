@@ -13,6 +13,8 @@ invalid (`tbexp.episodes.verdicts`); a damaged episode is scored (usually 0).
 * `eval/avg_turns`: mean number of agent replies per scored episode.
 * `eval/invalid_episodes`: episodes dropped because the sandbox or verifier broke.
 * `eval/damaged_episodes`: scored episodes whose agent broke its own sandbox.
+* `eval/tamper_episodes`: episodes whose agent touched what the verifier reads (`Episode.tamper`,
+  tbexp.episodes.integrity), however the policy (`eval.tamper`, `grpo.tamper`) then scored them.
 * `eval/offline_episodes`: episodes whose task asked for a network the sandbox did not give it
   (an `allowlist`, which cannot be enforced here, or `public` with `sandbox.allow_network=false`);
   each episode's `network` says what it asked for.
@@ -30,6 +32,27 @@ from typing import Any
 
 from tbexp.episodes.rewards import Reward
 from tbexp.episodes.rollout import Episode
+from tbexp.episodes.test_results import TestReport
+
+TAMPERED = TestReport(source="tamper")  # what a tampered episode is scored on under policy zero: no test, no reward
+
+
+def apply_tamper(episodes: list[Episode], policy: str) -> list[Episode]:
+    """What `eval.tamper` / `grpo.tamper` make of episodes with a tamper record; the same list, changed in place.
+
+    zero: scored on an empty report (every reward gives 0; the verifier's own is kept in `verified_report`);
+    drop: invalid (not scored, not trained on), the reason starting "tamper"; keep: as verified.
+    """
+    for ep in episodes:
+        if not ep.tamper or ep.invalid or policy == "keep":
+            continue
+        if policy == "zero":
+            ep.verified_report, ep.report = ep.report, TAMPERED
+        elif policy == "drop":
+            ep.invalid = f"tamper (dropped): {ep.tamper[0]}"
+        else:
+            raise ValueError(f"tamper policy {policy!r}: choose zero, drop or keep")
+    return episodes
 
 
 def score_episodes(episodes: list[Episode], reward: Reward) -> dict[int, float]:
@@ -71,6 +94,7 @@ def summarize(episodes: list[Episode], rewards: dict[int, float], prefix: str = 
         f"{prefix}/episodes": float(len(episodes)),
         f"{prefix}/invalid_episodes": float(len(episodes) - len(valid)),
         f"{prefix}/damaged_episodes": float(sum(1 for ep in valid if ep.damage)),
+        f"{prefix}/tamper_episodes": float(sum(1 for ep in episodes if ep.tamper)),
         f"{prefix}/offline_episodes": float(sum(1 for ep in episodes if ep.network)),
         f"{prefix}/tasks": float(len({ep.task.name for ep in episodes})),
     }
@@ -107,6 +131,7 @@ def task_rows(episodes: list[Episode], rewards: dict[int, float]) -> list[dict[s
                 "runs": len(group),
                 "invalid": len(group) - len(valid),
                 "damaged": sum(1 for ep in valid if ep.damage),
+                "tamper": sum(1 for ep in group if ep.tamper),
                 "strict": sum(1 for ep in valid if ep.report.strict),
                 "reward": _mean([rewards[id(ep)] for ep in valid]),
                 "tests_passed": _mean([ep.report.n_passed / max(ep.report.n_total, 1) for ep in valid]),

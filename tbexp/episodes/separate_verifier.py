@@ -14,6 +14,12 @@ directory, not `/logs/agent`. Where the verifier's Dockerfile is `tests/Dockerfi
 `skip_tests_upload`); a separate verifier without a Dockerfile of its own is a fresh copy of the task's
 environment, and gets the tests uploaded as a shared one does. `/logs/verifier` is read back either way.
 
+`verifier.isolation=fresh` uses the same hand-over for every task: a fresh sandbox of the task's own environment
+gets the declared artifacts (or, where a task declares none, its working directory, e.g. `/app`) and runs the
+tests there, as slime and verifiers grade. What it cannot serve: tests that look at what the agent left running
+(a server it started, a process it should have stopped), at files outside what is handed over (a package it
+installed system-wide, a file it wrote to `/etc` or its home), or at ownership and modes that a copy does not keep.
+
 Simplified: the agent's sandbox is stopped after the verifier's, not before it as in Harbor (one episode then
 holds two sandboxes for the verifier's run); in a bwrap
 sandbox an artifact can only land under its writable paths (/app, /tmp, /root, /logs, /tests, /solution).
@@ -30,6 +36,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from tbexp.episodes import integrity
 from tbexp.episodes.verifier import TestReport, verify
 from tbexp.sandboxes.base import Sandbox, make_sandbox
 from tbexp.tasks.harbor_task import Task
@@ -58,25 +65,37 @@ def _in_sandbox(workdir: str, source: str) -> str:
     return posixpath.normpath(posixpath.join(workdir, source))
 
 
-def verify_task(sandbox: Sandbox, task: Task, shared_tests: Sequence[Path] = ()) -> TestReport:
-    """The task's tests after the agent is done in `sandbox`: there (shared), or in a verifier sandbox (separate)."""
-    if task.separate_verifier is None:
+def verify_task(
+    sandbox: Sandbox, task: Task, shared_tests: Sequence[Path] = (), isolation: str = "shared"
+) -> TestReport:
+    """The task's tests after the agent is done in `sandbox`: there (shared), or in a sandbox of their own (a
+    separate verifier, or `verifier.isolation=fresh`: a fresh one of the task's own environment)."""
+    if task.separate_verifier is None and isolation == "shared":
         return verify(sandbox, task, shared_tests=shared_tests)
+    integrity.begin(sandbox, task)  # the agent's processes are gone before anything is copied out
+    fresh = task.separate_verifier is None
     with tempfile.TemporaryDirectory(prefix="tbexp-artifacts-") as tmp:
-        handed = collect_artifacts(sandbox, task, Path(tmp))
-        return verify_separately(task, sandbox.settings, handed, shared_tests)
+        handed = collect_artifacts(sandbox, task, Path(tmp), workdir_fallback=fresh)
+        verifier_task = task if fresh else task.for_verifier()
+        return verify_separately(task, sandbox, handed, shared_tests, verifier_task)
 
 
-def collect_artifacts(sandbox: Sandbox, task: Task, staging: Path) -> list[tuple[Path, str]]:
+def collect_artifacts(
+    sandbox: Sandbox, task: Task, staging: Path, workdir_fallback: bool = False
+) -> list[tuple[Path, str]]:
     """Download the artifacts from the agent's sandbox into `staging`: [(sanitised host copy, sandbox path)].
 
-    A source that is not there is skipped, as Harbor skips it.
+    A source that is not there is skipped, as Harbor skips it. `workdir_fallback` (verifier.isolation=fresh): a
+    task that declares no artifacts hands over its working directory.
     """
     from harbor.environments.tar_transfer import copy_via_tar
 
     handed = []
     excludes = {_in_sandbox(sandbox.workdir, s): patterns for s, patterns in _declared(task).artifact_excludes}
-    for index, source in enumerate(artifact_sources(task, sandbox.workdir)):
+    sources = artifact_sources(task, sandbox.workdir)
+    if workdir_fallback and not _declared(task).artifacts:
+        sources.append(posixpath.normpath(sandbox.workdir))
+    for index, source in enumerate(sources):
         raw = staging / "raw" / str(index) / (posixpath.basename(source) or "root")
         try:
             sandbox.download(source, raw)
@@ -122,18 +141,20 @@ def remove_excluded(root: Path, patterns: Sequence[str]) -> None:
 
 
 def verify_separately(
-    task: Task, sandbox_settings, handed: list[tuple[Path, str]], shared_tests: Sequence[Path] = ()
+    task: Task, agents: Sandbox, handed: list[tuple[Path, str]], shared_tests: Sequence[Path], verifier_task: Task
 ) -> TestReport:
-    """A fresh sandbox of the task's verifier environment, the artifacts put in place, then the tests."""
-    verifier_task = task.for_verifier()
-    bundled = task.separate_verifier.bundled_tests
-    sandbox = make_sandbox(sandbox_settings, verifier_task)
+    """A fresh sandbox of `verifier_task`'s environment, the artifacts put in place, then the tests. What the
+    artifacts carried to where the verifier reads is recorded with the agent's sandbox (`agents`)."""
+    bundled = task.separate_verifier is not None and task.separate_verifier.bundled_tests
+    sandbox = make_sandbox(agents.settings, verifier_task)
     try:
         sandbox.start()
+        sandbox.mark_agent_start()  # what the artifacts bring in counts as the agent's
         for local, remote in handed:
             if local.is_dir():  # Harbor empties the directory first, then uploads the artifact's contents
                 sandbox.exec(f"rm -rf {shlex.quote(remote)} && mkdir -p {shlex.quote(remote)}", timeout_s=30)
             sandbox.upload(local, remote)
         return verify(sandbox, verifier_task, shared_tests=() if bundled else shared_tests, tests_in_image=bundled)
     finally:
+        integrity.of(agents).merge(getattr(sandbox, "integrity", None))
         sandbox.stop()

@@ -76,7 +76,7 @@ def probe(sandbox: Sandbox) -> str:
 
 
 def second_look(
-    sandbox: Sandbox, task: Task, err: Exception, shared_tests: tuple = ()
+    sandbox: Sandbox, task: Task, err: Exception, shared_tests: tuple = (), isolation: str = "shared"
 ) -> tuple[TestReport | None, str, str]:
     """After the verifier failed in a sandbox the agent used: (report, failure, health).
 
@@ -89,7 +89,7 @@ def second_look(
     if health:
         return None, failure, health
     try:
-        return verify_task(sandbox, task, shared_tests), "", ""
+        return verify_task(sandbox, task, shared_tests, isolation), "", ""
     except INFRA_ERRORS as again:
         again_said = f"{type(again).__name__}: {again}"
         return None, (failure if again_said == failure else f"{failure}; again: {again_said}"), ""

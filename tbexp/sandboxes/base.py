@@ -26,6 +26,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import os
+import shlex
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,8 @@ from typing import Any
 from tbexp.errors import TbexpError
 from tbexp.tasks.harbor_task import Task
 
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+AGENT_ROOTS = ("/app", "/tmp", "/var/tmp", "/dev/shm", "/root", "/home", "/logs", "/solution", "/tests")
 TIMEOUT_EXIT = 124  # what coreutils' timeout(1) returns; used for every kill on time-out
 OUTPUT_LIMIT_EXIT = 125  # the command was killed because it printed more than allowed
 
@@ -67,6 +70,15 @@ class ExecResult:
     timed_out: bool = False
     output_truncated: bool = False
     duration_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Change:
+    """A path the agent added, changed or deleted since its first command (`Sandbox.agent_changes`)."""
+
+    path: str  # absolute, in the sandbox
+    kind: str  # added | changed | deleted
+    is_dir: bool = False
 
 
 @dataclass(frozen=True)
@@ -128,6 +140,59 @@ class Sandbox(abc.ABC):
     @abc.abstractmethod
     def stop(self) -> None:
         """Release everything; safe to call twice or after a failed start."""
+
+    # -- the verifier's side (tbexp.episodes.integrity); a sandbox that cannot see its agent's work keeps these -----
+
+    verifying = False  # between begin_verification and end_verification: execs are the verifier's
+    image_path = DEFAULT_PATH  # the PATH the image gives a command
+
+    def mark_agent_start(self) -> None:
+        """Remember the processes and files the environment holds before the agent's first command."""
+
+    def agent_processes(self) -> list[str]:
+        """'<pid> <command line>' of each process the agent left (not the environment's own)."""
+        return []
+
+    def end_agent_processes(self) -> list[str]:
+        """Kill every process the agent left; those still alive after (none, normally)."""
+        return []
+
+    def agent_changes(self) -> list[Change]:
+        """What the agent added, changed or deleted since `mark_agent_start`."""
+        return []
+
+    def set_aside(self, paths: list[str]) -> None:
+        """Rename each path to `<path>.tbexp-set-aside` (a free name), as root: out of the verifier's way, kept."""
+        script = 'for p; do t="$p.tbexp-set-aside"; while [ -e "$t" ] || [ -L "$t" ]; do t="$t.x"; done; mv -f -- "$p" "$t"; done'
+        with self.as_user("root"):
+            self.exec(f"set -- {' '.join(shlex.quote(p) for p in paths)}; {script}", timeout_s=60)
+
+    def shadows_image_tool(self, path: str) -> bool:
+        """Another executable of `path`'s name is on the verifier's PATH: `path` stood in front of it."""
+        name = shlex.quote(path.rsplit("/", 1)[-1])
+        script = (
+            f"dirs={shlex.quote(self.verifier_path())}; IFS=:; for d in $dirs; do "
+            f'[ "$d/"{name} = {shlex.quote(path)} ] && continue; [ -x "$d/"{name} ] && {{ echo tbexp-shadows; exit 0; }}; '
+            "done; true"
+        )
+        with self.as_user("root"):
+            return "tbexp-shadows" in self.exec(script, timeout_s=30).output
+
+    def begin_verification(self, fresh_tests: bool = True) -> None:
+        """From now on execs are the verifier's (bwrap: a namespace no agent process is in); `fresh_tests`: with a
+        /tests of their own (False: the image's, a separate verifier's tests/Dockerfile put them there)."""
+        self.verifying = True
+
+    def end_verification(self) -> None:
+        self.verifying = False
+
+    def agent_roots(self) -> tuple[str, ...]:
+        """Folders the agent writes to as a matter of course (its work, scratch, home, logs)."""
+        return tuple(dict.fromkeys((self.workdir, *AGENT_ROOTS)))
+
+    def verifier_path(self) -> str:
+        """The folders a command test.sh names is looked up in: the image's PATH, then the homes' .local/bin."""
+        return f"{self.image_path}:/root/.local/bin"
 
     @contextlib.contextmanager
     def as_user(self, user: str | int | None) -> Iterator["Sandbox"]:

@@ -37,8 +37,9 @@ import time
 import uuid
 from pathlib import Path
 
-from tbexp.sandboxes import provision
+from tbexp.sandboxes import agent_state, provision
 from tbexp.sandboxes.base import (
+    DEFAULT_PATH,
     OUTPUT_LIMIT_EXIT,
     TIMEOUT_EXIT,
     ExecResult,
@@ -51,10 +52,11 @@ from tbexp.sandboxes.cgroup import Cgroup, leftover_cgroups
 from tbexp.sandboxes.dockerfile import DockerfileError
 from tbexp.sandboxes.environment_build import user_ids
 from tbexp.sandboxes.environments import bwrap_environment
+from tbexp.sandboxes.verifier_files import RUNTIME, RUNTIME_MOUNT
 
 WRITABLE = ("/app", "/tmp", "/root", "/logs", "/tests", "/solution")
 WORK_PARENT = Path(tempfile.gettempdir()) / "tbexp-sandboxes"
-PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+PATH = DEFAULT_PATH
 _reaped = False
 # $1 = the command, $2 = a marker: the command's output, then "<marker> <exit code>", then the bwrap stays up.
 DAEMON_SCRIPT = (
@@ -63,7 +65,7 @@ DAEMON_SCRIPT = (
 )
 
 
-class BwrapSandbox(Sandbox):
+class BwrapSandbox(agent_state.BwrapAgentSide, Sandbox):
     writable = WRITABLE  # the sandbox's own paths; a non-root USER's home joins them at start
     keep_processes = False  # True (bwrap_session.py): what a command starts lives on until stop()
 
@@ -124,6 +126,11 @@ class BwrapSandbox(Sandbox):
         self.provision = provision.prepare(self.task)
         if self.provision:
             self.provision = self.provision.with_interpreters(provision.interpreters_in_root(self.rootfs))
+        self.image_path = self.env.env.get("PATH", PATH)
+        self.verifier_dirs = {
+            "/tests": self.work / ".verifier" / "tests",
+            "/logs/verifier": self.work / ".verifier" / "logs",
+        }
 
     def exec(self, command: str, timeout_s: float | None = None) -> ExecResult:
         timeout_s = self.settings.command_timeout_s if timeout_s is None else timeout_s
@@ -195,6 +202,9 @@ class BwrapSandbox(Sandbox):
         if getattr(self, "work", None) and self.work.exists():
             _release_work(self.work, getattr(self, "mounted", False))
 
+    def _end_daemon(self, proc: subprocess.Popen) -> None:
+        _kill_daemon(proc, None)  # its PID namespace, and all the agent ran in it, ends with it
+
     # -- helpers --------------------------------------------------------------
 
     def _exec_argv(self, command: str) -> list[str]:
@@ -217,6 +227,10 @@ class BwrapSandbox(Sandbox):
             argv += ["--bind", str(self.work / path.lstrip("/")), path]
         for host, path in self.provision.mounts if self.provision else []:
             argv += ["--ro-bind", str(host), path]
+        if self.verifying:  # after the agent's writable paths, so these lie over them
+            for path, host in self.verifier_dirs.items():
+                argv += ["--bind", str(host), path]
+            argv += ["--ro-bind", str(RUNTIME), RUNTIME_MOUNT]
         argv += [
             "--proc",
             "/proc",
@@ -266,6 +280,9 @@ class BwrapSandbox(Sandbox):
     def _host_path(self, remote: str) -> Path:
         """Map a sandbox path to the host, refusing anything outside the writable mounts."""
         norm = os.path.normpath(remote if remote.startswith("/") else f"{self.workdir}/{remote}")
+        for path, host in self.verifier_dirs.items() if self.verifying else ():
+            if norm == path or norm.startswith(path + "/"):
+                return agent_state.inside(host / os.path.relpath(norm, path), host, remote)
         for root in self.writable:
             if norm == root or norm.startswith(root + "/"):
                 host = self.work / norm.lstrip("/")

@@ -13,6 +13,10 @@ A task whose image starts a service (ENTRYPOINT/CMD, image_start.py) runs in thi
 says (`BwrapSandbox.for_task`): the service is started at `start`, before the agent, and its network, processes and
 files are the later execs' own, as in the image's container.
 
+The verifier's execs (`begin_verification`, after every agent process is gone) are not entered into the shared
+namespaces: each is a fresh bwrap of its own (BwrapSandbox's), joined only to the sandbox's network namespace, so
+a mount the agent made there (it is root of that user namespace) is not under the tests.
+
 Simplified: a command run as another user than the sandbox's (`as_user`) gets a bwrap of its own over the
 same root, since the holder's user namespace maps one user; a command that times out or prints too much has its own process
 group killed, not the whole sandbox (what it started in a new session, like a
@@ -74,6 +78,13 @@ class BwrapSessionSandbox(BwrapSandbox):
         return self.exec(command, timeout_s)  # what an exec starts lives on here anyway
 
     def _exec_argv(self, command: str) -> list[str]:
+        if self.verifying:
+            # The verifier gets a fresh bwrap: a mount namespace of its own (nothing the agent mounted in the
+            # shared one), in the sandbox's network namespace (the environment's services still answer).
+            argv = super()._exec_argv(command)
+            at = argv.index("--unshare-all") + 1
+            argv[at:at] = [] if "--share-net" in argv else ["--share-net"]
+            return ["nsenter", f"--net=/proc/{self.init_pid}/ns/net", "--", *argv]
         uid, gid, home = self._ids(self.user)  # the current user (as_user), as bwrap's own execs take it
         if (uid, gid) != self._ids(None)[:2]:
             # The holder's user namespace maps the sandbox's one user; another user's command gets a bwrap of its
@@ -85,6 +96,9 @@ class BwrapSessionSandbox(BwrapSandbox):
         # bwrap's init keeps the host's cwd. On the command's first line, so bash reports its line numbers as bwrap's.
         script = f"cd -- {shlex.quote(self.workdir)} || exit 1; {command}"
         return [*enter, "env", "-i", *(f"{k}={v}" for k, v in env.items()), "bash", "-c", script]
+
+    def _inits(self) -> set[int]:
+        return {self.init_pid}  # an agent's daemon reparented to the sandbox's init is still the agent's
 
     def stop(self) -> None:
         holder = getattr(self, "holder", None)

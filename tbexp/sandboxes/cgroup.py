@@ -88,16 +88,7 @@ class Cgroup:
 
     def kill_all(self, timeout_s: float = 5.0) -> None:
         """SIGKILL every process in the group until it is empty (a fork bomb keeps forking)."""
-        deadline = time.monotonic() + timeout_s
-        pause_s = 0.0002  # processes already exiting vanish within a fraction of a millisecond
-        while (pids := self.pids()) and time.monotonic() < deadline:
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            time.sleep(pause_s)
-            pause_s = min(pause_s * 2, 0.005)
+        kill_until_gone(self.pids, timeout_s)
 
     def remove(self) -> None:
         children = [Cgroup([c]) for d in self.dirs if d.is_dir() for c in d.iterdir() if c.is_dir()]
@@ -113,6 +104,20 @@ class Cgroup:
                     break
                 except OSError:
                     time.sleep(0.01)
+
+
+def kill_until_gone(pids, timeout_s: float, max_pause_s: float = 0.005) -> None:
+    """SIGKILL what `pids()` lists, again and again, until it lists nothing or `timeout_s` is up."""
+    deadline = time.monotonic() + timeout_s
+    pause_s = 0.0002  # processes already exiting vanish within a fraction of a millisecond
+    while (found := pids()) and time.monotonic() < deadline:
+        for pid in found:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(pause_s)
+        pause_s = min(pause_s * 2, max_pause_s)
 
 
 def leftover_cgroups() -> list[Cgroup]:

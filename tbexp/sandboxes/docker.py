@@ -59,13 +59,14 @@ from pathlib import Path, PurePosixPath
 
 import docker
 
-from tbexp.sandboxes import provision
+from tbexp.sandboxes import base, docker_agent_state, provision
 from tbexp.sandboxes.base import OUTPUT_LIMIT_EXIT, TIMEOUT_EXIT, ExecResult, Sandbox, SandboxError, task_limits
 from tbexp.sandboxes.compose import ensure_service_images, start_project
 from tbexp.sandboxes.compose_file import compose_file, read_compose
 from tbexp.sandboxes.docker_containers import _container_options, _create_container, _guard_process
 from tbexp.sandboxes.docker_images import ENGINE_ERRORS, _client, _ensure_image, image_source
 from tbexp.sandboxes.image_start import start_service
+from tbexp.sandboxes.verifier_files import RUNTIME, RUNTIME_MOUNT
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ exit "$code"
 KILL_ALL = ["bash", "-c", "kill -9 -1"]
 
 
-class DockerSandbox(Sandbox):
+class DockerSandbox(docker_agent_state.DockerAgentSide, Sandbox):
     @classmethod
     def prepare(cls, settings, task) -> None:
         api = _client()
@@ -101,15 +102,17 @@ class DockerSandbox(Sandbox):
             config = self.api.inspect_image(image)["Config"] or {}
             image_workdir = config.get("WorkingDir") or "/"
             self.workdir = image_workdir if image_workdir != "/" else self.task.workdir  # as bwrap
-            image_env = {entry.partition("=")[0] for entry in config.get("Env") or []}
+            image_vars = dict(entry.partition("=")[::2] for entry in config.get("Env") or [])
+            image_env = set(image_vars)
+            self.image_path = image_vars.get("PATH", base.DEFAULT_PATH)
             env = {k: v for k, v in {"LANG": "C.UTF-8", "TERM": "xterm"}.items() if k not in image_env}
             network = self.task.network_mode == "public" and self.settings.allow_network  # else --network none
             self.limits = task_limits(self.settings, self.task)
             options = _container_options(self.settings, self.task.name, self.workdir, env, network, self.limits)
             # What a TB2 test.sh would download (uv, its wheels), bound read-only: see provision.py.
             self.provision = provision.prepare(self.task)
-            if self.provision:
-                options["host_config"]["binds"] = [f"{host}:{path}:ro" for host, path in self.provision.mounts]
+            mounts = [*(self.provision.mounts if self.provision else []), (RUNTIME, RUNTIME_MOUNT)]
+            options["host_config"]["binds"] = [f"{host}:{path}:ro" for host, path in mounts]  # read-only to all
             self.project, options, start, command = start_project(self.api, self.task, self.settings, image, options)
             self.id = _create_container(self.api, image, options)
             self.api.start(self.id)
@@ -210,6 +213,14 @@ class DockerSandbox(Sandbox):
                     )
         if project:
             project.down()  # the other services and the episode's network
+
+    def run_as_root(self, argv: list[str]) -> str:
+        """One exec as root without the wrapper (nothing is killed after it): its output."""
+        try:
+            exec_id = self.api.exec_create(self.id, argv, user="root")["Id"]
+            return self.api.exec_start(exec_id).decode(errors="replace")
+        except ENGINE_ERRORS as err:
+            raise SandboxError(f"cannot exec in container {self.id}: {err}") from err
 
     # -- helpers --------------------------------------------------------------
 

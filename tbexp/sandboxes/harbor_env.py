@@ -33,12 +33,21 @@ What it simplifies or refuses:
 * No host mounts: Harbor downloads `/logs/...` after each phase instead.
 * A separate verifier environment is built from the directory Harbor names
   (`tests/` with its own Dockerfile), as tbexp's episodes build it.
+* Verification is hardened as in tbexp's own episodes (tbexp.episodes.integrity): Harbor's verifier announces
+  itself with its first command (`rm -f -- /logs/verifier/reward.txt /logs/verifier/reward.json`, as root);
+  before it runs, every process the agent left is ended, what it planted where the verifier reads is set aside,
+  `/logs/verifier` and `/tests` are made afresh (Harbor itself only removes the two reward files), and test.sh
+  gets tbexp's start-up. What was found is written to `tbexp-integrity.json` in the trial's folder, which
+  tbexp.episodes.harbor_trials reads into the episode. Any later command of another kind (a multi-step task's
+  next step) is the agent's again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import re
 import shlex
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -55,10 +64,15 @@ from hydra.utils import get_class  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from tbexp.config import BwrapSandboxConfig, DockerSandboxConfig, SandboxConfig  # noqa: E402
+from tbexp.episodes import integrity  # noqa: E402
+from tbexp.episodes.verifier import PREPARE, PREPARE_LOGS, PREPARE_TIMEOUT_S  # noqa: E402
 from tbexp.sandboxes import provision  # noqa: E402
 from tbexp.sandboxes.base import Sandbox  # noqa: E402
 from tbexp.tasks.harbor_task import Task  # noqa: E402
 
+HARBOR_REMOVE_REWARDS = "rm -f -- /logs/verifier/reward.txt /logs/verifier/reward.json"  # Verifier's first exec
+HARBOR_TEST = re.compile(r"^\(?/tests/\S+?\)? > /logs/verifier/test-stdout\.txt 2>&1$")  # build_execution_command's
+INTEGRITY_FILE = "tbexp-integrity.json"  # in the trial's folder
 NO_TIMEOUT_S = 24 * 3600.0  # Harbor's timeout_sec=None means "none"; the trial's own time-outs bound the phase
 TMUX_SERVER_START = "tmux new-session"  # a command that starts a tmux server, whose panes must outlive the exec
 
@@ -132,6 +146,7 @@ class SandboxEnvironment(BaseEnvironment):
             ]
         )
         await self.ensure_dirs(list(dirs))  # what Harbor's local environments get from their mounts
+        await self._call(self.sandbox.mark_agent_start)  # what runs and changes from here on is the agent's
 
     async def stop(self, delete: bool) -> None:
         await self._call(self.sandbox.stop)  # single-use: stopping always deletes
@@ -145,16 +160,37 @@ class SandboxEnvironment(BaseEnvironment):
         user: str | int | None = None,
     ) -> ExecResult:
         user = self._resolve_user(user)
+        verifier = (
+            command == HARBOR_REMOVE_REWARDS or command.startswith("chmod +x /tests/") or HARBOR_TEST.match(command)
+        )
+        if verifier and not self.sandbox.verifying:
+            await self._call(self._begin_verification)
+        elif not verifier and self.sandbox.verifying:  # a multi-step task's next step: the agent's again
+            await self._call(self._back_to_the_agent)
         script = _with_cwd_and_env(command, cwd, self._merge_env(env))
-        if "/tests/test.sh" in command:  # Harbor's verifier: uv offline, on what provision.py put in place
+        if HARBOR_TEST.match(command):  # Harbor's verifier: uv offline, on what provision.py put in place
             script = provision.verifier_command(
-                getattr(self.sandbox, "provision", None), f"bash -c {shlex.quote(script)}"
+                getattr(self.sandbox, "provision", None),
+                f"bash -c {shlex.quote(integrity.exports(self.sandbox) + script)}",
             )
         timeout_s = float(timeout_sec) if timeout_sec else NO_TIMEOUT_S
         result = await self._call(self._exec_as, user, script, timeout_s)
         if callback := self._output_callback():
             await callback(result.output, "stdout")
         return ExecResult(stdout=result.output, stderr="", return_code=result.exit_code)
+
+    def _begin_verification(self) -> None:
+        # A separate verifier environment built from tests/ holds the tests in its image (Harbor skips the upload).
+        in_image = Path(self.environment_dir).name == "tests"
+        record = integrity.begin(self.sandbox, self.task, tests_in_image=in_image)
+        with self.sandbox.as_user("root"):  # Harbor removes only the reward files
+            self.sandbox.exec(PREPARE_LOGS if in_image else PREPARE, timeout_s=PREPARE_TIMEOUT_S)
+        path = Path(self.trial_paths.trial_dir) / INTEGRITY_FILE
+        path.write_text(json.dumps(record.record(), indent=1))
+
+    def _back_to_the_agent(self) -> None:
+        integrity.end(self.sandbox)
+        self.sandbox.mark_agent_start()
 
     def _exec_as(self, user, script: str, timeout_s: float):
         run = self.sandbox.start_daemon if TMUX_SERVER_START in script else self.sandbox.exec

@@ -61,7 +61,11 @@ def collect(job: Job, tasks: list[Task], policy: str, path: Path, runtime: Any =
     """Run `policy` (with `runtime` for policy=model) on `tasks`; write the verified successes to `path`."""
     c = job.cfg.collect
     episodes = run_policy(job, tasks, c.n_runs, c.concurrency, policy, runtime, desc=f"collect {policy}")
-    kept = sorted((ep for ep in episodes if not ep.invalid and ep.report.strict), key=lambda ep: (ep.task.name, ep.run))
+    # a success whose agent touched what the verifier reads is never a gold trajectory
+    kept = sorted(
+        (ep for ep in episodes if not ep.invalid and not ep.tamper and ep.report.strict),
+        key=lambda ep: (ep.task.name, ep.run),
+    )
     rows = [
         {
             "task": ep.task.name,

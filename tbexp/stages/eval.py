@@ -23,7 +23,7 @@ from tbexp.episodes.policies import POLICIES, ModelRuntime
 from tbexp.episodes.promotion import episode_records, promotion, read_records, write_records
 from tbexp.episodes.rewards import per_test
 from tbexp.episodes.rollout import Episode
-from tbexp.episodes.scoring import no_valid_reason, score_episodes, summarize, task_rows
+from tbexp.episodes.scoring import apply_tamper, no_valid_reason, score_episodes, summarize, task_rows
 from tbexp.jobs.plots import plot_eval
 from tbexp.jobs.tracking import write_summary
 from tbexp.seeds import stream
@@ -133,13 +133,17 @@ def evaluate(
     if tasks.unloadable:
         reasons = out / "unloadable_tasks.json"
         print(f"{len(tasks.unloadable)} task(s) cannot be loaded and are left out; reasons in {reasons}")
+    excluded = getattr(tasks, "excluded", {})
+    (out / "excluded_tasks.json").write_text(json.dumps(excluded, indent=1))  # task -> why tasks.manifest left it out
+    if excluded:
+        print(f"{len(excluded)} task(s) left out by tasks.manifest; reasons in {out / 'excluded_tasks.json'}")
     name = label or policy
     n_runs = n_runs or cfg.eval.n_runs
     log.info(
         "eval %s: %d tasks x %d runs, sandbox=%s, agent=%s, harness=%s",
         *(name, len(tasks), n_runs, cfg.sandbox.name, cfg.agent.name, cfg.eval.harness),
     )
-    episodes = _run(job, tasks, n_runs, policy, runtime, out, desc=f"eval {name}")
+    episodes = apply_tamper(_run(job, tasks, n_runs, policy, runtime, out, desc=f"eval {name}"), cfg.eval.tamper)
     episodes.sort(key=lambda ep: (ep.task.name, ep.run))
 
     # eval/reward is the per-test fraction whatever reward= trains with, so runs stay comparable;
@@ -147,6 +151,7 @@ def evaluate(
     rewards = score_episodes(episodes, per_test)
     metrics = summarize(episodes, rewards)
     metrics["tasks/unloadable"] = float(len(tasks.unloadable))
+    metrics["tasks/excluded"] = float(len(excluded))
     if cfg.reward.name != "per_test":
         trained = score_episodes(episodes, job.reward)
         metrics[f"eval/{cfg.reward.name}_reward"] = summarize(episodes, trained)["eval/reward"]
@@ -191,20 +196,25 @@ def _write_table(path: Path, rows: list[dict[str, Any]]) -> None:
 
 def _format_table(rows: list[dict[str, Any]], metrics: dict[str, float], why_nan: str = "") -> str:
     """The per-task table and the metrics; a NaN says why beside it (no scored episode), a damaged run is counted."""
-    head = f"{'task':34} {'family':22} {'strict':>7} {'reward':>7} {'turns':>6} {'invalid':>7} {'damaged':>7}"
+    head = f"{'task':34} {'family':22} {'strict':>7} {'reward':>7} {'turns':>6} {'invalid':>7} {'damaged':>7} {'tamper':>6}"
     lines = [head, "-" * len(head)]
     for r in rows:
-        line = f"{r['task']:34} {r['family']:22} {r['strict']:>3}/{r['runs']:<3} {r['reward']:7.3f} {r['avg_turns']:6.1f} {r['invalid']:7d} {r['damaged']:7d}"
+        line = f"{r['task']:34} {r['family']:22} {r['strict']:>3}/{r['runs']:<3} {r['reward']:7.3f} {r['avg_turns']:6.1f} {r['invalid']:7d} {r['damaged']:7d} {r['tamper']:6d}"
         lines.append(line + (f"  {r['note']}" if r["note"] else ""))
     lines.append("-" * len(head))
     lines += [f"{k:28} {v:.4f}" + (f"  ({why_nan})" if why_nan and math.isnan(v) else "") for k, v in metrics.items()]
     return "\n".join(lines)
 
 
+def _source(ep: Episode) -> str:
+    report = ep.verified_report or ep.report
+    return report.source if report else ""
+
+
 def _save_transcripts(folder: Path, episodes: list[Episode], rewards: dict[int, float], limit: int) -> None:
     folder.mkdir(exist_ok=True)
-    broken = [ep for ep in episodes if ep.invalid or ep.damage]
-    for ep in (broken + [ep for ep in episodes if not (ep.invalid or ep.damage)])[
+    broken = [ep for ep in episodes if ep.invalid or ep.damage or ep.tamper]
+    for ep in (broken + [ep for ep in episodes if not (ep.invalid or ep.damage or ep.tamper)])[
         :limit
     ]:  # the broken ones first: they need a look
         record = {
@@ -217,6 +227,9 @@ def _save_transcripts(folder: Path, episodes: list[Episode], rewards: dict[int, 
             "reward": rewards.get(id(ep)),
             "tests": ep.report.tests if ep.report else {},
             "task_rewards": ep.report.rewards if ep.report else {},  # every named reward the task wrote
+            "source": _source(ep),  # which result decided the per-test reward (tbexp.episodes.test_results)
+            **ep.integrity.record(),  # tamper, set_aside, left_processes (tbexp.episodes.integrity)
+            "verified_tests": ep.verified_report.tests if ep.verified_report else None,  # before a tamper zero
             "time_s": ep.time_s,
             "messages": ep.messages,
             "turns": [

@@ -150,7 +150,9 @@ def _solve_rates(
     rates = {}
     for task in tasks:
         valid = [ep for ep in episodes if ep.task.name == task.name and not ep.invalid]
-        rates[task.name] = (sum(ep.report.strict for ep in valid) / len(valid) if valid else float("nan"), len(valid))
+        # a success whose agent touched what the verifier reads counts as a failure (tbexp.episodes.integrity)
+        solved = sum(ep.report.strict and not ep.tamper for ep in valid)
+        rates[task.name] = (solved / len(valid) if valid else float("nan"), len(valid))
     cache.parent.mkdir(parents=True, exist_ok=True)
     cache.write_text(json.dumps(rates))
     return rates

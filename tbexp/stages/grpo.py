@@ -51,7 +51,7 @@ from omegaconf import OmegaConf
 from tbexp.build import run_policy
 from tbexp.episodes.advantages import grpo_datums, loss_fn_config
 from tbexp.episodes.difficulty import DifficultyPool
-from tbexp.episodes.scoring import score_episodes, summarize
+from tbexp.episodes.scoring import apply_tamper, score_episodes, summarize
 from tbexp.job import Job, TrainedCheckpoint
 from tbexp.jobs.preemption import interruptible
 from tbexp.jobs.schedule import learning_rate
@@ -247,8 +247,10 @@ def _rollouts(
 
             round_ = next(rounds)  # a replacement round's trials beside the step's first ones
             trials = job.run_dir / "trials" / (f"step-{plan.step:05d}" + (f"-round-{round_}" if round_ else ""))
-            return run_trials(cfg, tasks, g.group_size, g.concurrency, "model", runtime, trials, "rollouts")
-        return run_policy(job, tasks, g.group_size, g.concurrency, "model", runtime, desc="rollouts", stop=stop)
+            episodes = run_trials(cfg, tasks, g.group_size, g.concurrency, "model", runtime, trials, "rollouts")
+        else:
+            episodes = run_policy(job, tasks, g.group_size, g.concurrency, "model", runtime, desc="rollouts", stop=stop)
+        return apply_tamper(episodes, g.tamper)  # before scoring: a tampered episode never teaches its gain
 
     episodes, replaced = sample_groups(
         plan, sample, lambda episodes: score_episodes(episodes, job.reward), g.max_replaced_groups
@@ -347,6 +349,7 @@ def _step(job: Job, backend: TrainingBackend, reference: Any, rollouts: Rollouts
         "rollout/valid_command_rate": rollout["rollout/valid_command_rate"],
         "rollout/turns": rollout["rollout/avg_turns"],
         "rollout/invalid_episodes": rollout["rollout/invalid_episodes"],
+        "rollout/tamper_episodes": rollout["rollout/tamper_episodes"],
         **{f"rollout/{k}": float(v) for k, v in counts.items()},
         **train_metrics,
         **timing,

@@ -2,10 +2,13 @@
 
 A task of a directory that cannot be loaded is listed (`TaskSet.unloadable`, its reason logged once) and the
 rest of the set runs; `tasks.strict=true` makes any such task fatal. A set with no loadable task is an error.
+`tasks.manifest` (a check.json, tbexp.stages.check) keeps only the tasks it calls usable; the others are listed in
+`TaskSet.excluded` with why.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -45,9 +48,31 @@ def load_task_set(settings: Any, split: str | None = None, part: str | None = No
         if unknown:
             raise TaskError(f"tasks.families: no tasks of {sorted(unknown)}; have {sorted({t.family for t in tasks})}")
         tasks = [t for t in tasks if t.family in settings.families]
+    excluded = {}
+    if getattr(settings, "manifest", ""):
+        tasks, excluded = _usable(tasks, Path(settings.manifest))
     if settings.limit:
         tasks = tasks[: settings.limit]
-    return TaskSet(tasks, unloadable)
+    return TaskSet(tasks, unloadable, excluded)
+
+
+def _usable(tasks: list[Task], manifest: Path) -> tuple[list[Task], dict[str, str]]:
+    """The tasks a check.json (tbexp.stages.check) calls usable; {task: why not} for the others."""
+    try:
+        rows = json.loads(manifest.read_text())["tasks"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as err:
+        raise TaskError(f"tasks.manifest={manifest}: not a check.json that stage=check wrote: {err}") from err
+    by_path = {str(Path(row.get("path", "")).resolve()): row for row in rows.values()}
+    kept, excluded = [], {}
+    for task in tasks:
+        row = by_path.get(str(Path(task.path).resolve()))
+        if row is None:
+            excluded[task.name] = f"not in {manifest} (checked before the task was added: run stage=check again)"
+        elif not row.get("usable"):
+            excluded[task.name] = row.get("why") or row.get("problem") or "not usable"
+        else:
+            kept.append(task)
+    return kept, excluded
 
 
 def _check_unloadable(unloadable: dict[str, str], settings: Any) -> dict[str, str]:

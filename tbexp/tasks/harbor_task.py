@@ -206,11 +206,13 @@ class Task:
 
 
 class TaskSet(list):
-    """The loadable tasks of a set, plus `unloadable`: task directory -> why it could not be loaded."""
+    """The loadable tasks of a set, plus `unloadable`: task directory -> why it could not be loaded, and `excluded`:
+    task name -> why `tasks.manifest` keeps it out."""
 
-    def __init__(self, tasks=(), unloadable: dict[str, str] | None = None):
+    def __init__(self, tasks=(), unloadable: dict[str, str] | None = None, excluded: dict[str, str] | None = None):
         super().__init__(tasks)
         self.unloadable: dict[str, str] = dict(unloadable or {})
+        self.excluded: dict[str, str] = dict(excluded or {})
 
 
 def family_from_name(name: str) -> str:

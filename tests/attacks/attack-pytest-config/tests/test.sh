@@ -1,0 +1,5 @@
+#!/bin/bash
+# The pytest console script with a JUnit report, run from the working directory.
+cd /app
+pytest -rA -p no:cacheprovider --junitxml=/logs/verifier/junit.xml /tests/test_outputs.py
+if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi

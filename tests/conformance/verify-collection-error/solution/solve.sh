@@ -1,0 +1,11 @@
+#!/bin/bash
+cat > /app/intervals.py <<'PY'
+def merge(intervals):
+    merged = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+PY
