@@ -48,6 +48,10 @@ NOT_DECIDING: dict[str, str] = {
     "tasks.cache_dir": "where the built-in tasks are written (machine-specific); tasks enter a key as their names "
     "and directory contents",
     "sft.data": "where the SFT data lies; its bytes enter the SFT key",
+    "tasks.manifest": "which tasks a check.json leaves out: the tasks a result is computed on enter its key",
+    "backend.gpu_memory_fraction": "how much of the card the job may hold: the KV pool's size, which moves only "
+    "the batching of replies (as eval.concurrency)",
+    "backend.gradient_checkpointing": "activations recomputed in the backward pass: the same gradients",
     "sft.save_every": "extra checkpoints to resume from: the same steps and the same chosen checkpoint",
     "sft.eval_after": "stage=sft's evals after training, not the training",
     "eval.concurrency": "episodes at once: each reply's seed is its own (it moves only the rounding of sampling "
@@ -78,9 +82,9 @@ def decided_by(cfg: Any, groups: Sequence[str]) -> dict[str, Any]:
 
 
 def trajectories_key(cfg: Any, tasks: Sequence[Task]) -> str:
-    """The oracle's verified turns on `tasks`: the agent and sandbox decide which oracle runs succeed. The oracle
+    """The oracle's verified turns on `tasks`: the agent, sandbox and verifier decide which oracle runs succeed. The oracle
     draws nothing, so the seed is left out."""
-    chosen = {"agent": settings("agent", cfg.agent), "sandbox": settings("sandbox", cfg.sandbox)}
+    chosen = {group: settings(group, cfg[group]) for group in ("agent", "sandbox", "verifier")}
     return content_key({**chosen, "n_runs": cfg.collect.n_runs}, task_contents(list(tasks)), length=16)
 
 
@@ -105,7 +109,7 @@ def sft_folder(job: Job, data: Path, link: Path) -> Path:
 
 def eval_key(cfg: Any, tasks: Sequence[Task], checkpoint: str, label: str) -> str:
     """The held-out eval of `checkpoint` ("" = the base model) on `tasks`, reported as `label`."""
-    groups = ("model", "tasks", "agent", "sampling", "eval", "reward", "backend", "sandbox")
+    groups = ("model", "tasks", "agent", "sampling", "eval", "reward", "backend", "sandbox", "verifier")
     chosen = decided_by(cfg, (*groups, "harbor") if cfg.eval.harness == "harbor" else groups)
     name, files = _checkpoint(checkpoint)
     return content_key({**chosen, "checkpoint": name, "label": label}, [*task_contents(list(tasks)), *files])
@@ -118,7 +122,7 @@ def eval_folder(job: Job, checkpoint: str, label: str, link: Path) -> Path:
 
 def filter_key(cfg: Any, tasks: Sequence[Task], policy: str, checkpoint: str, sampling: Any) -> str:
     """The solve rates of `tasks` under `policy` (policy=model: `checkpoint`'s weights sampled with `sampling`)."""
-    chosen = decided_by(cfg, ("model", "backend", "agent", "sandbox"))
+    chosen = decided_by(cfg, ("model", "backend", "agent", "sandbox", "verifier"))
     name, files = _checkpoint(checkpoint)
     decided = {**chosen, "sampling": settings("sampling", sampling), "k": cfg.task_filter.k}
     return content_key({**decided, "policy": policy, "checkpoint": name}, [*task_contents(list(tasks)), *files], 24)

@@ -18,7 +18,7 @@ from tests.test_content_key import tasks  # noqa: F401  (two task directories)
 
 RESULTS = ("trajectories", "sft", "eval", "filter")
 # The config groups some key reads: every setting in them decides a result unless NOT_DECIDING names it.
-READ = ("model", "sft", "backend", "agent", "sandbox", "tasks", "sampling", "eval", "reward")
+READ = ("model", "sft", "backend", "agent", "sandbox", "tasks", "sampling", "eval", "reward", "verifier")
 
 
 @pytest.fixture
@@ -162,6 +162,8 @@ def test_the_base_model_a_local_checkpoint_and_a_tinker_uri_are_three_checkpoint
 
 def _another(value):
     """A value of the same type as `value`, different from it."""
+    if value is None:  # an optional switch (backend.gradient_checkpointing: null = decided by the memory plan)
+        return True
     if isinstance(value, Enum):
         return next(member for member in type(value) if member != value)
     if isinstance(value, bool):

@@ -74,7 +74,7 @@ def run(job: Any) -> dict[str, float]:
     return metrics
 
 
-def _row(task: Any, unrunnable: str, episodes: dict[str, list]) -> dict[str, Any]:
+def _row(task: Any, unrunnable: str, episodes: dict[str, list[Any]]) -> dict[str, Any]:
     mine = {p: [ep for ep in eps if ep.task.name == task.name] for p, eps in episodes.items()}
     row: dict[str, Any] = {"path": str(task.path), "runnable": not unrunnable, "why": unrunnable}
     for policy, eps in mine.items():
@@ -94,7 +94,7 @@ def _row(task: Any, unrunnable: str, episodes: dict[str, list]) -> dict[str, Any
     return row
 
 
-def _network(task: Any, row: dict[str, Any], eps: list) -> str:
+def _network(task: Any, row: dict[str, Any], eps: list[Any]) -> str:
     """What the task asks of the network: its network mode where the sandbox did not give it, or a download."""
     why = row["why"] if any(h in row["why"] for h in NETWORK_HINTS) else ""
     asked = next((ep.network for ep in eps if ep.network), "")
