@@ -15,8 +15,9 @@ from tbexp.config import register
 
 REPO = Path(__file__).resolve().parent.parent
 CONF = REPO / "conf"
-# The conformance suite's task directories hold the tasks' own pytest files, which run inside sandboxes, not here.
-collect_ignore = ["conformance"]
+# The conformance and attack suites' task directories hold the tasks' own pytest files, which run inside
+# sandboxes, not here.
+collect_ignore = ["conformance", "attacks"]
 
 register()
 # W&B's server cannot be reached from the tests: a user's WANDB_MODE=online must not send their runs or reports there.
