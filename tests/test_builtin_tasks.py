@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from tbexp.episodes.test_results import read_junit
 from tbexp.episodes.verifier import read_results
 from tbexp.tasks.builtin import FAMILIES, HELDOUT_FAMILIES, family, write_suite
 from tbexp.tasks.builtin.writer import DOCKERFILE, RUN_TESTS, TEST_SH
@@ -241,7 +242,7 @@ def _sandbox_run(rootfs: Path, task_dir: Path, work: Path, commands: list[str]) 
     # the checks run by pytest itself (test.sh runs them through tests/run_tests.py), on the files test.sh saw
     pytest_run = "mkdir -p /logs/pytest && python3 -m pytest -q -p no:cacheprovider --junitxml=/logs/pytest/junit.xml"
     subprocess.run([*bwrap, "bash", "-c", f"{pytest_run} /tests/test_outputs.py"], capture_output=True, timeout=120)
-    by_pytest = read_results(work / "logs" / "pytest").tests
+    by_pytest = read_junit(work / "logs" / "pytest" / "junit.xml")  # pytest alone writes no reward file
     return (work / "logs" / "verifier" / "reward.txt").read_text().strip(), report.tests, by_pytest
 
 
