@@ -101,14 +101,15 @@ def test_eval_records_round_trip(tmp_path):
     def episode(task: str, run: int, strict: bool | None) -> SimpleNamespace:
         report = SimpleNamespace(strict=strict) if strict is not None else None
         task_ns = SimpleNamespace(name=task)
-        return SimpleNamespace(task=task_ns, run=run, invalid=strict is None, report=report, turns=[1])
+        tamper = ["planted: /logs/verifier/reward.txt"] if task == "b" else []
+        return SimpleNamespace(task=task_ns, run=run, invalid=strict is None, report=report, turns=[1], tamper=tamper)
 
     episodes = [episode("b", 0, True), episode("a", 1, None), episode("a", 0, False)]
     rewards = {id(episodes[0]): 1.0, id(episodes[2]): 0.25}
     write_records(tmp_path, episode_records(episodes, rewards))
     assert read_records(tmp_path) == [
-        {"task": "a", "run": 0, "invalid": False, "strict": 0.0, "reward": 0.25, "turns": 1.0},
-        {"task": "a", "run": 1, "invalid": True, "strict": None, "reward": None, "turns": None},
-        {"task": "b", "run": 0, "invalid": False, "strict": 1.0, "reward": 1.0, "turns": 1.0},
+        {"task": "a", "run": 0, "invalid": False, "tamper": 0, "strict": 0.0, "reward": 0.25, "turns": 1.0},
+        {"task": "a", "run": 1, "invalid": True, "tamper": 0, "strict": None, "reward": None, "turns": None},
+        {"task": "b", "run": 0, "invalid": False, "tamper": 1, "strict": 1.0, "reward": 1.0, "turns": 1.0},
     ]
     assert read_records(tmp_path / "none") is None
