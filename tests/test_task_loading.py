@@ -203,7 +203,9 @@ def test_a_multi_step_task_runs_every_step_in_one_sandbox(rootfs, tmp_path, stra
     assert (
         len(episode.report.tests) == (3 if strategy else 4) and "second::test_step::test_setup" in episode.report.tests
     )
-    assert [m["role"] for m in episode.messages].count("user") >= 2 and episode.report.strict
+    assert [m["role"] for m in episode.messages].count("user") >= 2
+    # every test passed, but the reward file says 0.75 (or 0.5): the reward file decides (#40), so not strict
+    assert episode.report.n_passed == episode.report.n_total and not episode.report.strict
 
 
 def test_min_reward_stops_the_remaining_steps(rootfs, tmp_path):
