@@ -14,6 +14,7 @@ recipe, nothing enters the training set unless it was executed and verified; a p
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -81,9 +82,11 @@ def collect(
             tokens = _tokens(episode, runtime)
             ledger.append(episode_row(episode, policy, teacher, job.cfg.agent.name, job.cfg.sandbox.name, tokens))
 
-    run_policy(
+    start = time.perf_counter()
+    ran = run_policy(
         job, tasks, c.n_runs, c.concurrency, policy, runtime, f"collect {policy}", done=ledger.done(), on_done=enter
     )
+    elapsed_s = time.perf_counter() - start  # sandboxes' environments are prepared inside: counted
     names = {task.name for task in tasks}
     rows = [row for row in ledger.rows if row["task"] in names and row["run"] < c.n_runs]
     kept, dropped = select(rows, c.min_pass_fraction, c.max_per_task)
@@ -102,6 +105,8 @@ def collect(
     print(f"kept {len(kept)} of {len(rows)} episodes (verified, distinct, at most max_per_task) -> {path}")
     metrics = _metrics(rows, kept, dropped, ledger.resumed, runtime)
     metrics["collect/contaminated_tasks"] = float(len({o.task for o in overlaps}))
+    metrics["time/collect_s"] = elapsed_s
+    metrics["collect/episodes_per_s"] = len(ran) / elapsed_s if ran else 0.0  # this run's, not the resumed ones
     return Trajectories(path, metrics)
 
 
