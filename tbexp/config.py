@@ -343,9 +343,9 @@ class SamplingConfig:
 
 @dataclass
 class SFTConfig:
-    data: str = (
-        ""  # SFT jsonl (tbexp.episodes.trajectories); "" = collect the oracle's verified turns on the train tasks first
-    )
+    # a jsonl file (tbexp.episodes.trajectories), or a list of sources, each a path or {path, count} or {path, weight}
+    # (a mixture: tbexp.episodes.mixture, docs/data.md); "" or "oracle" = the oracle's verified turns on the train tasks
+    data: Any = ""
     steps: int = 150  # optimizer steps
     batch_size: int = 16  # conversations per step
     learning_rate: float = 3e-3
