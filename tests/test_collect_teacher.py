@@ -101,6 +101,16 @@ def test_only_verified_distinct_shortest_successes_are_kept(rootfs, task_dir, tm
         assert row["teacher"].startswith("openai/scripted@http://127.0.0.1")
         assert row["sandbox"].startswith("bwrap") and row["tokens"]["calls"] == row["turns"]
         assert row["tokens"]["completion"] > 0
+    # the card beside the data: counts, the teacher's solve rate per task, lengths in the model's tokens, drops
+    card = json.loads((tmp_path / "data.card.json").read_text())
+    assert card["rows"] == len(rows) and sum(card["per_family"].values()) == len(rows)
+    assert list(card["per_teacher"]) == [rows[0]["teacher"]] and card["per_source"] == {"teacher": len(rows)}
+    assert card["solve_rate"] == {task: len(s) / N_RUNS for task, s in successes.items()}
+    assert card["length_unit"] == "tiny tokens" and card["lengths"]["min"] > 0
+    assert sum(card["dropped"].values()) == N_TASKS * N_RUNS - len(rows)
+    assert card["dropped"]["not verified"] == N_TASKS * N_RUNS - metrics["collect/verified"]
+    assert (tmp_path / "data.lengths.png").read_bytes()[:4] == b"\x89PNG"
+    assert "solve rate" in (tmp_path / "data.card.md").read_text()
     # identical successful trajectories of a task count once: without the cap, one row per distinct length
     ledger = [json.loads(line) for line in (tmp_path / "data.ledger.jsonl").read_text().splitlines()[1:]]
     kept, dropped = collect.select(ledger, 1.0, 0)

@@ -7,7 +7,8 @@ ledger as it ends (tbexp.episodes.ledger: a killed collection resumes where it s
 trajectories once, at most `collect.max_per_task` per task, shortest first) → decontamination against the
 held-out (= eval) tasks and `collect.decontaminate_dirs` (tbexp.tasks.decontamination: overlapping tasks' rows
 dropped and listed) → write them
-(`collect.format`: tbexp rows, tbexp.episodes.trajectories, or chat rows) → return counts. As in the published
+(`collect.format`: tbexp rows, tbexp.episodes.trajectories, or chat rows) with a data card beside them
+(tbexp.episodes.data_card) → return counts. As in the published
 recipe, nothing enters the training set unless it was executed and verified; a policy's unverified text never does.
 """
 
@@ -21,11 +22,12 @@ from typing import TYPE_CHECKING, Any
 
 from tbexp import caches
 from tbexp.build import run_policy
+from tbexp.episodes.data_card import length_counter, write_card
 from tbexp.episodes.ledger import Ledger, episode_row, ledger_path
-from tbexp.episodes.selection import select
+from tbexp.episodes.selection import select, verified
 from tbexp.episodes.trajectories import write_conversations
 from tbexp.jobs.tracking import write_summary
-from tbexp.tasks.decontamination import References, decontaminate
+from tbexp.tasks.decontamination import Overlap, References, decontaminate
 
 if TYPE_CHECKING:
     from tbexp.job import Job
@@ -90,18 +92,21 @@ def collect(
     names = {task.name for task in tasks}
     rows = [row for row in ledger.rows if row["task"] in names and row["run"] < c.n_runs]
     kept, dropped = select(rows, c.min_pass_fraction, c.max_per_task)
-    overlaps = []
+    overlaps: list[Overlap] = []
     if c.decontaminate:
         references = References(reference_tasks(job), c.decontaminate_ngram)
-        verified, (kept, overlaps) = kept, decontaminate(kept, tasks, references)
+        selected, (kept, overlaps) = kept, decontaminate(kept, tasks, references)
         bad = {o.task for o in overlaps}
-        dropped += [{**row, "dropped": "overlaps a held-out or named task"} for row in verified if row["task"] in bad]
+        dropped += [{**row, "dropped": "overlaps a held-out or named task"} for row in selected if row["task"] in bad]
         for o in overlaps:
             print(f"decontamination: dropped {o.task}: {o.why} overlap with {o.reference} ({o.evidence})")
         for name in references.same_directory(tasks):
             print(f"decontamination: {name} is itself a held-out task (one directory for every split): kept")
     path.parent.mkdir(parents=True, exist_ok=True)
     write_conversations(path, [{"messages": row["messages"]} for row in kept] if data_format == "chat" else kept)
+    count, unit = length_counter(job.cfg.model)
+    overlap_rows = [o.row() for o in overlaps]
+    write_card(path, rows, kept, dropped, overlap_rows, count, unit, lambda row: verified(row, c.min_pass_fraction))
     print(f"kept {len(kept)} of {len(rows)} episodes (verified, distinct, at most max_per_task) -> {path}")
     metrics = _metrics(rows, kept, dropped, ledger.resumed, runtime)
     metrics["collect/contaminated_tasks"] = float(len({o.task for o in overlaps}))
