@@ -100,8 +100,9 @@ def collect(
         dropped += [{**row, "dropped": "overlaps a held-out or named task"} for row in selected if row["task"] in bad]
         for o in overlaps:
             print(f"decontamination: dropped {o.task}: {o.why} overlap with {o.reference} ({o.evidence})")
-        for name in references.same_directory(tasks):
-            print(f"decontamination: {name} is itself a held-out task (one directory for every split): kept")
+        itself = references.same_directory(tasks)
+        if itself:  # tasks.source=dir: every split is the one directory, the user's choice
+            print(f"decontamination: {len(itself)} collected tasks are held-out tasks themselves (kept): {itself[:3]}…")
     path.parent.mkdir(parents=True, exist_ok=True)
     write_conversations(path, [{"messages": row["messages"]} for row in kept] if data_format == "chat" else kept)
     count, unit = length_counter(job.cfg.model)
@@ -139,6 +140,7 @@ def _metrics(rows: list[Any], kept: list[Any], dropped: list[Any], resumed: int,
     }
     if hasattr(runtime, "retried"):  # a teacher: what its endpoint cost
         metrics["collect/teacher_retries"] = float(sum(runtime.retried.values()))
+        metrics |= {f"collect/teacher_retries/{why}": float(n) for why, n in runtime.retried.items()}
         metrics["collect/teacher_failed_episodes"] = float(len(runtime.failed))
     return metrics
 
@@ -154,7 +156,7 @@ def _teacher_name(job: Job, policy: str, runtime: Any) -> str:
 
 def _identity(job: Job, policy: str, teacher: str) -> dict[str, Any]:
     """What decides an episode of this collection: a ledger of another one is refused."""
-    cfg = job.cfg
+    cfg: Any = job.cfg  # a DictConfig at run time (the schema class is not indexable)
     chosen = {group: caches.settings(group, cfg[group]) for group in ("agent", "sandbox", "verifier")}
     sampling = caches.settings("sampling", cfg.sampling) if policy in ("model", "teacher") else {}
     return {"policy": policy, "teacher": teacher, **chosen, "sampling": sampling}
