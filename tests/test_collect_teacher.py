@@ -111,6 +111,14 @@ def test_only_verified_distinct_shortest_successes_are_kept(rootfs, task_dir, tm
     assert card["dropped"]["not verified"] == N_TASKS * N_RUNS - metrics["collect/verified"]
     assert (tmp_path / "data.lengths.png").read_bytes()[:4] == b"\x89PNG"
     assert "solve rate" in (tmp_path / "data.card.md").read_text()
+    # the same ledger, written as chat rows: nothing runs again (every episode is entered), only the format changes
+    job = compose_job(*_overrides(task_dir, "http://127.0.0.1:9/v1", data, "collect.max_per_task=1"))
+    client = collect.TeacherClient(collect.teacher_settings(job.cfg.collect, job.cfg.sampling, 0))
+    again = collect.collect(job, job.tasks("sft"), "teacher", data, client, "chat").metrics
+    assert again["collect/resumed_episodes"] == N_TASKS * N_RUNS and not client.usage  # no call made
+    chat = [json.loads(line) for line in data.read_text().splitlines()]
+    assert [list(row) for row in chat] == [["messages"]] * len(rows)
+    assert [row["messages"] for row in chat] == [row["messages"] for row in rows]
     # identical successful trajectories of a task count once: without the cap, one row per distinct length
     ledger = [json.loads(line) for line in (tmp_path / "data.ledger.jsonl").read_text().splitlines()[1:]]
     kept, dropped = collect.select(ledger, 1.0, 0)

@@ -74,3 +74,14 @@ def test_the_key_comes_from_the_environment_variable_named(monkeypatch):
     assert settings.api_key == "sk-secret" and settings.model == "openai/big"
     with pytest.raises(TeacherError, match="teacher_url"):
         teacher_settings(compose_config().collect, cfg.sampling, 0)
+
+
+def test_a_teacher_collects_and_nothing_else():
+    from tbexp.config import ConfigError, check
+    from tests.conftest import compose_config
+
+    check(compose_config("stage=collect", "policy=teacher"))
+    with pytest.raises(ConfigError, match="policy=teacher collects data"):
+        check(compose_config("stage=eval", "policy=teacher"))
+    with pytest.raises(ConfigError, match="min_pass_fraction"):
+        check(compose_config("stage=collect", "collect.min_pass_fraction=0"))

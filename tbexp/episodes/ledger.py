@@ -1,7 +1,8 @@
 """A collection's ledger: one line per finished episode, written as it ends, so a killed collection resumes.
 
 `<data>.ledger.jsonl` lies beside the data file it feeds. Its first line names the collection (`identity`: the
-policy, teacher, agent, sandbox, … that decide what an episode is); each further line is one finished episode
+policy, teacher model (not its URL: a teacher served elsewhere is the same teacher), agent, sandbox, … that
+decide what an episode is); each further line is one finished episode
 as a row (`episode_row`): task, run, teacher, sandbox, verdict, turns, tokens, messages. The data file, its
 card and the metrics are computed from the ledger alone, so a resumed run gives the file an uninterrupted one
 would. A run re-opens the ledger, skips the (task, run) pairs it holds and appends the rest: no episode is run,

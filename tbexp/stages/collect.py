@@ -14,6 +14,7 @@ recipe, nothing enters the training set unless it was executed and verified; a p
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from tbexp.build import run_policy
 from tbexp.episodes.data_card import length_counter, write_card
 from tbexp.episodes.ledger import Ledger, episode_row, ledger_path
 from tbexp.episodes.selection import select, verified
+from tbexp.episodes.teacher import TeacherClient, teacher_settings
 from tbexp.episodes.trajectories import write_conversations
 from tbexp.jobs.tracking import write_summary
 from tbexp.tasks.decontamination import Overlap, References, decontaminate
@@ -58,8 +60,6 @@ def run(job: Job) -> dict[str, float]:
     if cfg.policy == "model":
         runtime = job.models.runtime(job.models.sampler(cfg.load_checkpoint), cfg.sampling, None)
     elif cfg.policy == "teacher":
-        from tbexp.episodes.teacher import TeacherClient, teacher_settings
-
         runtime = TeacherClient(teacher_settings(cfg.collect, cfg.sampling, cfg.seed))
     metrics = collect(job, job.tasks("sft"), cfg.policy, path, runtime, str(cfg.collect.format)).metrics
     tracker = job.tracker(job.run_dir)
@@ -76,7 +76,8 @@ def collect(
     resuming the ledger beside `path`; write the rows rejection sampling keeps to `path`."""
     c = job.cfg.collect
     teacher = _teacher_name(job, policy, runtime)
-    ledger = Ledger(ledger_path(path), _identity(job, policy, teacher))
+    who = runtime.settings.model if policy == "teacher" else teacher  # the teacher's URL is where it lies: not in it
+    ledger = Ledger(ledger_path(path), _identity(job, policy, who))
     failed = getattr(runtime, "failed", {})  # a teacher's calls that failed for good: not entered, run again on resume
 
     def enter(episode: Any) -> None:
@@ -159,7 +160,8 @@ def _identity(job: Job, policy: str, teacher: str) -> dict[str, Any]:
     cfg: Any = job.cfg  # a DictConfig at run time (the schema class is not indexable)
     chosen = {group: caches.settings(group, cfg[group]) for group in ("agent", "sandbox", "verifier")}
     sampling = caches.settings("sampling", cfg.sampling) if policy in ("model", "teacher") else {}
-    return {"policy": policy, "teacher": teacher, **chosen, "sampling": sampling}
+    identity = {"policy": policy, "teacher": teacher, **chosen, "sampling": sampling}
+    return dict(json.loads(json.dumps(identity)))  # as the ledger's first line reads back (enums as strings)
 
 
 def _tokens(episode: Any, runtime: Any) -> dict[str, int]:
