@@ -76,6 +76,7 @@ NOT_DECIDING: dict[str, str] = {
     "collect.teacher_timeout_s": "how long a teacher call may take before it is retried",
     "collect.teacher_retries": "how often a teacher call is retried",
     "collect.teacher_backoff_s": "how long a retried teacher call waits",
+    "collect.teacher_max_rpm": "how fast teacher calls are made",
 }
 
 

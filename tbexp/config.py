@@ -442,6 +442,7 @@ class CollectConfig:
     teacher_timeout_s: float = 120.0  # one call; a slower reply is retried
     teacher_retries: int = 6  # per call, on 429s, time-outs, 5xx and malformed replies
     teacher_backoff_s: float = 1.0  # the first retry's wait, doubling each time (a Retry-After header wins if longer)
+    teacher_max_rpm: float = 0.0  # requests a minute to the teacher, all episodes together (retries too); 0 = no limit
     # rejection sampling (tbexp.episodes.selection)
     min_pass_fraction: float = 1.0  # kept: per-test pass fraction >= this; 1 = strict (every test and the reward pass)
     max_per_task: int = 0  # kept rows per task, the shortest first (turns, then reply characters); 0 = all

@@ -17,6 +17,7 @@ HELLO = [{"role": "user", "content": "list the files"}]
 
 def _client(url: str, retries: int = 3, timeout_s: float = 2.0) -> TeacherClient:
     settings = TeacherSettings(url, "openai/scripted", "none", 0.0, 1.0, 32, timeout_s, retries, backoff_s=0.01)
+    # (max_rpm 0: the rate limit waits for nothing, so `waits` holds the backoffs alone)
     waits: list[float] = []
     client = TeacherClient(settings, sleep=waits.append)
     client.waits = waits  # type: ignore[attr-defined]
@@ -85,3 +86,35 @@ def test_a_teacher_collects_and_nothing_else():
         check(compose_config("stage=eval", "policy=teacher"))
     with pytest.raises(ConfigError, match="min_pass_fraction"):
         check(compose_config("stage=collect", "collect.min_pass_fraction=0"))
+
+
+def test_the_rate_limit_spaces_requests_across_threads():
+    import threading
+
+    from tbexp.episodes.teacher import RateLimit
+
+    now = [100.0]
+    waits: list[float] = []
+    rate = RateLimit(120.0, clock=lambda: now[0], sleep=waits.append)  # 2 a second: 0.5 s apart
+    threads = [threading.Thread(target=rate.wait) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(waits) == [0.5, 1.0, 1.5]  # the first goes at once, the others take the next slots
+    now[0] = 200.0  # long after: a free slot again
+    assert rate.wait() == 0.0
+    assert RateLimit(0.0).wait() == 0.0
+
+
+def test_a_rate_limited_client_waits_before_each_request():
+    import time
+
+    settings = TeacherSettings("http://x/v1", "openai/scripted", "none", 0.0, 1.0, 32, 1.0, 0, 0.01, max_rpm=300.0)
+    with ScriptedTeacher(lambda messages, body: "ls") as teacher:
+        client = TeacherClient(TeacherSettings(**{**settings.__dict__, "base_url": teacher.url}))
+        start = time.monotonic()
+        for _ in range(3):
+            client.reply(HELLO, None, ("t", 0))
+        elapsed = time.monotonic() - start
+    assert elapsed >= 0.4  # 300 a minute: 0.2 s apart, so the third starts 0.4 s after the first

@@ -16,8 +16,12 @@ teacher only answers the conversation so far. What a hosted API needs:
 An episode whose call still fails after the retries is invalid (its policy raised) and is marked so in
 `TeacherClient.failed`: collect does not enter it in its ledger, so a resumed collection runs it again.
 
-Simplified: litellm's own retries are off (`num_retries=0`) so that every retry is counted here; no rate limiter
-beyond the backoff (collect.concurrency bounds the requests in flight).
+* at most `collect.teacher_max_rpm` requests a minute across all episodes (0 = no limit): requests are spaced
+  60/rpm seconds apart (`RateLimit`), retries included, so a collection stays under a hosted API's quota
+  instead of living on 429s.
+
+Simplified: litellm's own retries are off (`num_retries=0`) so that every retry is counted here; the rate limit
+spaces requests evenly (no bursts) and knows nothing of a quota's tokens per minute.
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ class TeacherSettings:
     retries: int
     backoff_s: float
     seed: int | None = None  # each reply's seed is a function of (seed, task, run, turn)
+    max_rpm: float = 0.0  # requests a minute, all episodes together; 0 = no limit
 
     @property
     def name(self) -> str:
@@ -84,7 +89,32 @@ def teacher_settings(collect: Any, sampling: Any, seed: int | None) -> TeacherSe
         retries=collect.teacher_retries,
         backoff_s=collect.teacher_backoff_s,
         seed=seed,
+        max_rpm=collect.teacher_max_rpm,
     )
+
+
+class RateLimit:
+    """Requests spaced `60 / max_rpm` seconds apart, whichever thread asks: each takes the next free slot."""
+
+    def __init__(
+        self, max_rpm: float, clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep
+    ):
+        self.interval_s = 60.0 / max_rpm if max_rpm > 0 else 0.0
+        self.clock, self.sleep = clock, sleep
+        self.next_s = 0.0
+        self.lock = threading.Lock()
+
+    def wait(self) -> float:
+        """Waits for this request's slot; returns how long it waited."""
+        if not self.interval_s:
+            return 0.0
+        with self.lock:
+            now = self.clock()
+            slot = max(now, self.next_s)
+            self.next_s = slot + self.interval_s
+        if slot > now:
+            self.sleep(slot - now)
+        return slot - now
 
 
 @dataclass
@@ -104,6 +134,11 @@ class TeacherClient:
     failed: dict[tuple[str, int], str] = field(default_factory=dict)  # (task, run) -> why its call failed for good
     retried: Counter[str] = field(default_factory=Counter)  # why calls were retried: rate_limit, timeout, ...
     lock: threading.Lock = field(default_factory=threading.Lock)
+    rate: RateLimit | None = None  # None = from settings.max_rpm
+
+    def __post_init__(self) -> None:
+        if self.rate is None:
+            self.rate = RateLimit(self.settings.max_rpm, sleep=self.sleep)
 
     def reply(self, messages: list[dict[str, str]], seed: int | None = None, episode: tuple[str, int] = ("", 0)) -> str:
         """The teacher's answer to `messages`, retried as the module says; its tokens counted under `episode`."""
@@ -122,6 +157,8 @@ class TeacherClient:
             MalformedReply,
         )
         for attempt in range(s.retries + 1):
+            assert self.rate is not None
+            self.rate.wait()
             try:
                 response = litellm.completion(
                     model=s.model,
