@@ -100,3 +100,10 @@ def test_the_default_jobs_data_overlaps_no_held_out_task():
     # the same check catches a held-out instance copied into the train set
     copy = load_task(references.tasks[0].path)
     assert references.same_directory([copy]) and not references.overlaps(copy)  # itself: not compared
+
+
+def test_named_task_directories_join_the_references(held_out):
+    from tbexp.stages.collect import reference_tasks
+
+    names = [t.name for t in reference_tasks(compose_job(f"collect.decontaminate_dirs=[{held_out}]"))]
+    assert len(names) == 48 + 2 and names[-2:] == ["test/journal", "test/other"]
