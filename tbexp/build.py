@@ -198,6 +198,8 @@ def run_policy(
     runtime: Any = None,
     desc: str = "episodes",
     stop: Any = None,
+    done: Any = frozenset(),
+    on_done: Any = None,
 ) -> list:
     """`n_runs` episodes of `policy` on every task, each in a fresh sandbox, `concurrency` at a time.
 
@@ -205,7 +207,8 @@ def run_policy(
     cannot act (an oracle without a solution) fails before work is done; a task whose
     environment cannot be built is skipped, its reason printed once. Once `stop` (a
     threading.Event) is set, episodes not yet started raise RolloutsCancelled and the
-    call ends when the running ones have finished.
+    call ends when the running ones have finished. `done` holds the (task name, run) pairs already run (a
+    resumed collection's ledger): they are not run again. `on_done(episode)` is called as each one ends.
     """
     from tbexp.episodes.policies import make_policy
     from tbexp.episodes.rollout import run_episode, run_episodes
@@ -233,8 +236,8 @@ def run_policy(
             job.cfg.verifier.isolation,
         )
 
-    jobs = [(task, r) for r in range(n_runs) for task in tasks]
+    jobs = [(task, r) for r in range(n_runs) for task in tasks if (task.name, r) not in done]
     queue = getattr(runtime, "queue", None)
     # the same sampling batches on every run, so the results depend on the seeds alone
     lockstep = queue if hasattr(queue, "lockstep") and job.cfg.sampling.lockstep else None
-    return run_episodes(jobs, concurrency, run_one, desc=desc, lockstep=lockstep)
+    return run_episodes(jobs, concurrency, run_one, on_done=on_done, desc=desc, lockstep=lockstep)

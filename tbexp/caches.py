@@ -5,7 +5,7 @@ Four results are cached under the job's cache root (`cache_dir`), each named by 
 
 | result | where | key | settings read |
 |---|---|---|---|
-| the oracle's verified turns | `trajectories/oracle-<agent>-<n>tasks-<key>.jsonl` | `trajectories_key` | agent, sandbox, `collect.n_runs`; the SFT tasks' names and directories |
+| the oracle's verified turns | `trajectories/oracle-<agent>-<n>tasks-<key>.jsonl` | `trajectories_key` | agent, sandbox, collect; the SFT tasks' and the decontamination's reference tasks' names and directories |
 | an SFT run | `sft/<key>/` | `sft_key` | model, sft, backend, seed; the data file's bytes |
 | a held-out eval | `evals/<key>/` | `eval_key` | model, tasks, agent, sampling, eval, reward, backend, sandbox (and `harbor` under `eval.harness=harbor`), seed, the row's label; the checkpoint, the held-out tasks' names and directories |
 | the filter's solve rates | `filter/<key>.json` | `filter_key` | model, backend, agent, sandbox, the sampling it ran with, `task_filter.k`, seed, the policy; the checkpoint, the candidates' names and directories |
@@ -62,6 +62,21 @@ NOT_DECIDING: dict[str, str] = {
     "eval.promote_margin": "the promotion gate's",
     "eval.promote_z": "the promotion gate's",
     "eval.incumbent": "which checkpoint the gate compares with, itself scored by a key of its own",
+    "collect.split": "which tasks are collected on: they enter the key as their names and contents",
+    "collect.concurrency": "episodes at once: the oracle draws nothing, so the same episodes at any count",
+    "collect.data": "where stage=collect writes its data (the cached oracle rows have a path of their own)",
+    "collect.format": "stage=collect's file format; the cached oracle rows are always tbexp rows",
+    "collect.decontaminate_dirs": "where the extra tasks to check against lie: they enter the key as their contents",
+    # policy=teacher's endpoint: its collection is written to collect.data and resumed by its ledger, never cached;
+    # the one cached collection is the oracle's
+    "collect.teacher_url": "policy=teacher's endpoint (the cached collection is the oracle's)",
+    "collect.teacher_model": "policy=teacher's model (the cached collection is the oracle's)",
+    "collect.teacher_key_env": "where policy=teacher's API key is read from",
+    "collect.teacher_max_tokens": "policy=teacher's reply length (the cached collection is the oracle's)",
+    "collect.teacher_timeout_s": "how long a teacher call may take before it is retried",
+    "collect.teacher_retries": "how often a teacher call is retried",
+    "collect.teacher_backoff_s": "how long a retried teacher call waits",
+    "collect.teacher_max_rpm": "how fast teacher calls are made",
 }
 
 
@@ -81,16 +96,18 @@ def decided_by(cfg: Any, groups: Sequence[str]) -> dict[str, Any]:
     return {**{group: settings(group, cfg[group]) for group in groups}, "seed": cfg.seed}
 
 
-def trajectories_key(cfg: Any, tasks: Sequence[Task]) -> str:
-    """The oracle's verified turns on `tasks`: the agent, sandbox and verifier decide which oracle runs succeed. The oracle
-    draws nothing, so the seed is left out."""
-    chosen = {group: settings(group, cfg[group]) for group in ("agent", "sandbox", "verifier")}
-    return content_key({**chosen, "n_runs": cfg.collect.n_runs}, task_contents(list(tasks)), length=16)
+def trajectories_key(cfg: Any, tasks: Sequence[Task], references: Sequence[Task] = ()) -> str:
+    """The oracle's verified turns on `tasks`: the agent, sandbox and verifier decide which oracle runs succeed, the
+    collect settings which of them are kept (rejection sampling, decontamination against `references`, whose
+    contents enter the key). The oracle draws nothing, so the seed is left out."""
+    chosen = {group: settings(group, cfg[group]) for group in ("agent", "sandbox", "verifier", "collect")}
+    against = task_contents(list(references)) if cfg.collect.decontaminate else []
+    return content_key(chosen, [*task_contents(list(tasks)), b"references", *against], length=16)
 
 
-def trajectories_file(job: Job, tasks: Sequence[Task]) -> Path:
-    """Where the oracle's verified turns on `tasks` are kept."""
-    key = trajectories_key(job.cfg, tasks)
+def trajectories_file(job: Job, tasks: Sequence[Task], references: Sequence[Task] = ()) -> Path:
+    """Where the oracle's verified turns on `tasks` (decontaminated against `references`) are kept."""
+    key = trajectories_key(job.cfg, tasks, references)
     return job.cache_dir / "trajectories" / f"oracle-{job.cfg.agent.name}-{len(tasks)}tasks-{key}.jsonl"
 
 

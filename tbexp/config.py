@@ -35,6 +35,14 @@ class Policy(StrEnum):
     oracle = "oracle"
     nop = "nop"
     model = "model"
+    teacher = "teacher"  # an OpenAI-compatible endpoint (collect.teacher_*; tbexp.episodes.teacher)
+
+
+class DataFormat(StrEnum):
+    tbexp = (
+        "tbexp"  # tbexp's rows: task, family, teacher, verdict, turns, tokens, messages (tbexp.episodes.trajectories)
+    )
+    chat = "chat"  # {"messages": [...]} and nothing else, the format chat datasets on the Hub use
 
 
 class Split(StrEnum):
@@ -335,9 +343,9 @@ class SamplingConfig:
 
 @dataclass
 class SFTConfig:
-    data: str = (
-        ""  # SFT jsonl (tbexp.episodes.trajectories); "" = collect the oracle's verified turns on the train tasks first
-    )
+    # a jsonl file (tbexp.episodes.trajectories), or a list of sources, each a path or {path, count} or {path, weight}
+    # (a mixture: tbexp.episodes.mixture, docs/data.md); "" or "oracle" = the oracle's verified turns on the train tasks
+    data: Any = ""
     steps: int = 150  # optimizer steps
     batch_size: int = 16  # conversations per step
     learning_rate: float = 3e-3
@@ -426,6 +434,23 @@ class CollectConfig:
     n_runs: int = 1  # episodes per task; only verified successes are kept
     concurrency: int = 4
     data: str = ""  # where to write the jsonl; "" = trajectories.jsonl in the run directory
+    # policy=teacher: an OpenAI-compatible chat endpoint, called through litellm (docs/data.md)
+    teacher_url: str = ""  # its base URL, e.g. http://127.0.0.1:8000/v1
+    teacher_model: str = ""  # litellm's name: hosted_vllm/NAME, openai/NAME, ...; a bare NAME = openai/NAME
+    teacher_key_env: str = "OPENAI_API_KEY"  # the environment variable holding its API key ("" = none)
+    teacher_max_tokens: int = 1024  # per reply
+    teacher_timeout_s: float = 120.0  # one call; a slower reply is retried
+    teacher_retries: int = 6  # per call, on 429s, time-outs, 5xx and malformed replies
+    teacher_backoff_s: float = 1.0  # the first retry's wait, doubling each time (a Retry-After header wins if longer)
+    teacher_max_rpm: float = 0.0  # requests a minute to the teacher, all episodes together (retries too); 0 = no limit
+    # rejection sampling (tbexp.episodes.selection)
+    min_pass_fraction: float = 1.0  # kept: per-test pass fraction >= this; 1 = strict (every test and the reward pass)
+    max_per_task: int = 0  # kept rows per task, the shortest first (turns, then reply characters); 0 = all
+    format: DataFormat = DataFormat.tbexp  # what the data file holds; chat = {"messages"} rows only
+    # decontamination (tbexp.tasks.decontamination): drop rows of tasks that overlap the held-out tasks or these
+    decontaminate: bool = True
+    decontaminate_dirs: list[str] = field(default_factory=list)  # more directories of task directories to check
+    decontaminate_ngram: int = 13  # words in a shared instruction n-gram that counts as an overlap
 
 
 @dataclass
@@ -529,6 +554,7 @@ def check(cfg: Any) -> None:
         ("eval.n_runs", cfg.eval.n_runs),
         ("eval.concurrency", cfg.eval.concurrency),
         ("collect.concurrency", cfg.collect.concurrency),
+        ("collect.n_runs", cfg.collect.n_runs),
         ("check.concurrency", cfg.check.concurrency),
         ("check.n_runs", cfg.check.n_runs),
         ("agent.max_turns", cfg.agent.max_turns),
@@ -540,6 +566,14 @@ def check(cfg: Any) -> None:
             "verifier.isolation=fresh runs tbexp's own verifier in a fresh sandbox; Harbor's trials (eval.harness or "
             "grpo.harness=harbor) verify as Harbor does, in the agent's environment: use harness=native with it"
         )
+    if cfg.policy == "teacher" and cfg.stage.name != "collect":
+        raise ConfigError(
+            "policy=teacher collects data (stage=collect); other stages sample policy=model or run oracle/nop"
+        )
+    if not 0.0 < cfg.collect.min_pass_fraction <= 1.0:
+        raise ConfigError(f"collect.min_pass_fraction={cfg.collect.min_pass_fraction}: must lie in (0, 1] (1 = strict)")
+    if cfg.collect.max_per_task < 0 or cfg.collect.teacher_retries < 0:
+        raise ConfigError("collect.max_per_task and collect.teacher_retries must be >= 0 (0 = all / no retry)")
     if cfg.eval.promote_z < 0:
         raise ConfigError(f"eval.promote_z={cfg.eval.promote_z}: must be >= 0 (0 = decide on the difference alone)")
     for key, value in (("backend.threads", cfg.backend.threads), ("backend.train_threads", cfg.backend.train_threads)):

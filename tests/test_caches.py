@@ -18,7 +18,7 @@ from tests.test_content_key import tasks  # noqa: F401  (two task directories)
 
 RESULTS = ("trajectories", "sft", "eval", "filter")
 # The config groups some key reads: every setting in them decides a result unless NOT_DECIDING names it.
-READ = ("model", "sft", "backend", "agent", "sandbox", "tasks", "sampling", "eval", "reward", "verifier")
+READ = ("model", "sft", "backend", "agent", "sandbox", "tasks", "sampling", "eval", "reward", "verifier", "collect")
 
 
 @pytest.fixture
@@ -62,6 +62,10 @@ def moved(inputs, *overrides: str, base: tuple[str, ...] = ()) -> set[str]:
         ("sandbox.memory_mb=256", {"trajectories", "eval", "filter"}),
         ("sandbox=docker", {"trajectories", "eval", "filter"}),
         ("collect.n_runs=2", {"trajectories"}),
+        ("collect.max_per_task=1", {"trajectories"}),
+        ("collect.min_pass_fraction=0.5", {"trajectories"}),
+        ("collect.decontaminate=false", {"trajectories"}),
+        ("collect.decontaminate_ngram=8", {"trajectories"}),
         ("task_filter.k=3", {"filter"}),
         ("grpo.temperature=1.0", {"filter"}),  # the temperature the filter samples at
         ("sampling.temperature=0.2", {"eval"}),  # the filter's temperature is GRPO's
@@ -100,6 +104,12 @@ def test_a_deciding_setting_moves_the_keys_of_the_results_it_decides(inputs, ove
         "task_filter.lower=0.3",
         "logger=wandb",
         "pipeline.cache_sft=false",
+        "collect.teacher_url=http://127.0.0.1:1/v1",  # a teacher's collection is never cached
+        "collect.teacher_model=big",
+        "collect.format=chat",  # the cached oracle rows are always tbexp rows
+        "collect.concurrency=16",
+        "collect.data=/some/file.jsonl",
+        "collect.decontaminate_dirs=[/some/tasks]",  # their contents decide, not where they lie
     ],
 )
 def test_a_setting_that_decides_nothing_moves_no_key(inputs, override):

@@ -209,10 +209,18 @@ POLICIES = {"oracle": OraclePolicy, "nop": NopPolicy}
 def make_policy(
     name: str, task: Task, agent: Agent, runtime: ModelRuntime | None = None, run: int = 0
 ) -> EpisodePolicy:
+    if name == "teacher":
+        from tbexp.episodes.teacher import TeacherClient, TeacherPolicy
+
+        if not isinstance(runtime, TeacherClient):
+            raise PolicyError(
+                "policy=teacher needs a teacher client: the collect stage builds it from collect.teacher_*"
+            )
+        return TeacherPolicy(task, agent, runtime, run)
     if name == "model":
         if runtime is None:
             raise PolicyError("policy=model needs a sampler: the stage builds it from backend= and model=")
         return ModelPolicy(task, agent, runtime, run)
     if name not in POLICIES:
-        raise PolicyError(f"policy={name!r}: choose one of {sorted(POLICIES)} or model")
+        raise PolicyError(f"policy={name!r}: choose one of {sorted(POLICIES)}, model or teacher")
     return POLICIES[name](task, agent)

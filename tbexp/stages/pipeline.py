@@ -92,10 +92,10 @@ def _oracle_turns(job: Job) -> Trajectories:
 
 
 def _sft(job: Job, data: Trajectories | None) -> SFTResult:
-    """SFT on `data` (else `sft.data`, else the oracle's turns) in the run's `sft` folder, or, with
+    """SFT on `data` (else `sft.data`, one file or a mixture, else the oracle's turns) in the run's `sft` folder, or, with
     `pipeline.cache_sft`, in a folder under the cache that it links to (tbexp.caches.sft_folder), one job at a time:
     a second job with the same SFT waits, then resumes the finished run."""
-    path = data.path if data else Path(job.cfg.sft.data) if job.cfg.sft.data else collect.oracle_trajectories(job)
+    path = data.path if data else sft.data_file(job)
     folder = caches.sft_folder(job, path, job.run_dir / "sft")
     return caches.one_at_a_time(folder, sft.train, job, path, folder)
 

@@ -53,11 +53,10 @@ class SFTResult(TrainedCheckpoint):
 
 
 def run(job: Job) -> dict[str, float]:
-    from tbexp.stages.collect import oracle_trajectories
     from tbexp.stages.eval import compare, evaluate_checkpoint
 
     cfg, out = job.cfg, job.run_dir
-    result = train(job, Path(cfg.sft.data) if cfg.sft.data else oracle_trajectories(job), out)
+    result = train(job, data_file(job), out)
     summary: dict[str, Any] = {"sft_training": result.summary()}
     if cfg.sft.eval_after:
         summary["base"] = evaluate_checkpoint(job, out / "eval_base", "", label="base")
@@ -65,6 +64,24 @@ def run(job: Job) -> dict[str, float]:
         print(compare({"base": summary["base"], "sft": summary["sft"]}))
     write_summary(out, summary)
     return {**result.summary(), **summary.get("sft", {})}
+
+
+def data_file(job: Job) -> Path:
+    """The file SFT trains on: `sft.data` when it names one file, the mixture it describes written to the run
+    directory when it names several sources (tbexp.episodes.mixture), the oracle's verified turns when empty."""
+    from omegaconf import OmegaConf
+
+    from tbexp.episodes.mixture import mix
+    from tbexp.stages.collect import oracle_trajectories
+
+    data = job.cfg.sft.data
+    if not data or data == "oracle":
+        return oracle_trajectories(job)
+    if isinstance(data, str):
+        return Path(data)
+    sources = OmegaConf.to_container(data) if OmegaConf.is_config(data) else data
+    resolve = lambda path: oracle_trajectories(job) if path == "oracle" else Path(path)  # noqa: E731
+    return mix(sources, job.run_dir / "sft_mixture.jsonl", job.cfg.seed, resolve)
 
 
 def train(job: Job, data: Path, out: Path) -> SFTResult:
