@@ -311,10 +311,11 @@ def test_split_sampler_and_advance_kernels_match_the_torch_references_in_the_int
 def test_cuda_graph_decode_matches_the_eager_torch_decode():
     model = tiny_model("qwen3").cuda().to(torch.bfloat16)
     reqs = requests(8)
+    pool = 16384  # on a GPU the caller sizes the KV pool (LocalBackend's memory plan); a batcher alone is given one
     eager = ContinuousBatcher(
-        model, char_tokenizer(), [], kernels="torch", cuda_graphs=False, page_tokens=16
+        model, char_tokenizer(), [], kernels="torch", cuda_graphs=False, page_tokens=16, kv_cache_tokens=pool
     ).submit_all(reqs)
-    graphed = ContinuousBatcher(model, char_tokenizer(), [], page_tokens=16).submit_all(reqs)
+    graphed = ContinuousBatcher(model, char_tokenizer(), [], page_tokens=16, kv_cache_tokens=pool).submit_all(reqs)
     same = sum(a == b for e, g in zip(eager, graphed) for a, b in zip(e.tokens, g.tokens)) / sum(
         len(e.tokens) for e in eager
     )
