@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Wheels for a GPU machine that reaches no package registry (docs/gpu-sampling.md#on-the-gpu-the-next-session):
+# Wheels for a GPU machine that reaches no package registry (docs/gpu-sampling.md#on-an-h100-80-gb-issue-43-2026-12-08):
 #   scripts/gpu_wheels.sh            # here, from any directory of the checkout: fills .whl/ (git-ignored locally)
 # then, there, before the benchmark:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
