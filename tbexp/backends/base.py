@@ -62,9 +62,13 @@ class Export:
     path: str
     kind: str  # "adapter": PeftModel.from_pretrained(base, path) loads it; "hf_model": a whole model (full fine-tuning)
     base_model: str  # the base model's Hub id or directory, as the adapter's config names it
+    error: str = ""  # kind "none": the export failed with this, and nothing was written; `checkpoint` is still there
+    checkpoint: str = ""
 
     def describe(self) -> str:
         """What was written and the lines that load it."""
+        if self.kind == "none":
+            return f"export failed ({self.error}); the trained checkpoint is kept: {self.checkpoint}"
         if self.kind == "adapter":
             return (
                 f"PEFT adapter: {self.path}\n  load it with PeftModel.from_pretrained("

@@ -159,7 +159,7 @@ def train(job: Job, start: str, tasks: list[Task], out: Path) -> RLResult:
         "grpo/rl_tasks": float(len(tasks)),
         **{k: best[k] for k in EVAL_KEYS},
     }
-    return RLResult(best["checkpoint"], metrics, {exported.kind: exported.path})
+    return RLResult(best["checkpoint"], metrics, {exported.kind: exported.path} if exported.path else {})
 
 
 def peak(evals: list[dict[str, Any]]) -> dict[str, Any]:
