@@ -225,10 +225,13 @@ class StandInRest:
 
 @pytest.fixture
 def tinker_service(tmp_path, monkeypatch):
+    import tinker
+
     import tbexp.backends.tinker_backend as tinker_backend
 
     service = StandInService(tmp_path / "service")
     monkeypatch.setattr(tinker_backend, "_connect", lambda base_url: service)
+    monkeypatch.setattr(tinker, "RestClient", lambda base_url=None: StandInRest(service))  # deletes checkpoints
     return service
 
 

@@ -44,5 +44,14 @@ def test_the_recipe_runs_end_to_end_through_the_server(rootfs, tmp_path, tinker_
     assert summary["grpo"]["grpo/checkpoint"].startswith("tinker://")
     assert "grpo/adapter" not in summary["grpo"]  # no export on this server ...
     assert "export failed" in out.stdout and summary["grpo"]["grpo/checkpoint"] in out.stdout  # ... and it says so
+    # GRPO deleted its superseded per-step checkpoint from the service (no eval kept it), not the chosen one.
+    import tinker
+
+    chosen = summary["grpo"]["grpo/checkpoint"]
+    run_id = chosen.removeprefix("tinker://").split("/")[0]
+    stored = {
+        c.tinker_path for c in tinker.RestClient(base_url=tinker_server).list_checkpoints(run_id).result().checkpoints
+    }
+    assert chosen in stored and chosen.replace("step-00002", "step-00001") not in stored, stored
     rewards = {row: round(summary[row]["eval/reward"], 3) for row in ("base", "sft", "rl")}
     print(f"\nthe miniature recipe through SkyRL's Tinker server: {took:.0f} s; held-out reward {rewards}")

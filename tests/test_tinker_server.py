@@ -135,3 +135,22 @@ def test_the_probe_refuses_an_unserved_model_or_loss_by_name_before_any_work(tin
         probe("stage=pipeline", "grpo.loss_fn=gspo")
     with pytest.raises(BackendError, match="does not serve model 'Qwen/Qwen3-8B'"):
         probe("stage=sft", "model.path=Qwen/Qwen3-8B")
+
+
+def test_a_superseded_checkpoint_is_deleted_from_the_service(tinker_server):
+    """Stored checkpoints stay, and on hosted Tinker are billed, until deleted. Before, GRPO deleted superseded
+    per-step checkpoints only when they were local directories; a tinker:// one stayed on the service."""
+    import tinker
+
+    backend = _backend(tinker_server)
+    old, new = backend.save_state("step-00001"), backend.save_state("step-00002")
+    rest = tinker.RestClient(base_url=tinker_server)
+    run = old.removeprefix("tinker://").split("/")[0]
+
+    def stored():
+        return {c.tinker_path for c in rest.list_checkpoints(run).result().checkpoints}
+
+    assert {old, new} <= stored()
+    backend.delete_checkpoint(old)
+    left = stored()
+    assert old not in left and old.replace("/weights/", "/sampler_weights/") not in left and new in left

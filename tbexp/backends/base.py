@@ -139,6 +139,12 @@ class TrainingBackend(abc.ABC):
     def load_weights(self, path: str) -> None:
         """Only the weights of a saved state, with a fresh optimizer: a new stage starting from a checkpoint."""
 
+    def delete_checkpoint(self, checkpoint: str) -> None:
+        """Remove a superseded `save_state` checkpoint (a local directory here; a service's stored copy on Tinker)."""
+        import shutil
+
+        shutil.rmtree(checkpoint, ignore_errors=True)
+
     def export_checkpoint(self, checkpoint: str, folder: str) -> Export:
         """Write `checkpoint` (a `save_state` path or URI) for use without tbexp: a PEFT adapter in `folder/adapter`
         that `PeftModel.from_pretrained(base, folder/adapter)` loads, or, where there is no adapter (full

@@ -17,6 +17,7 @@ Checkpoints are `tinker://` URIs; a run resumes from one with its optimizer.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -37,6 +38,7 @@ from tbexp.errors import TbexpError
 
 ATTENTION = {"q_proj", "k_proj", "v_proj", "o_proj"}
 MLP = {"gate_proj", "up_proj", "down_proj", "mlp", "experts"}
+log = logging.getLogger(__name__)
 TINKER_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "gspo")  # served by Tinker itself
 
 
@@ -171,6 +173,19 @@ class TinkerBackend(TrainingBackend):
             seed=self.seed,
             **self.lora,
         )
+
+    def delete_checkpoint(self, checkpoint: str) -> None:
+        """The service's copies of `checkpoint` (its state and the sampler weights beside it) deleted: stored
+        checkpoints are kept, and billed, until deleted. A failure is logged, not raised: the run goes on."""
+        import tinker
+
+        if not checkpoint.startswith("tinker://"):
+            raise BackendError(f"backend=tinker deletes only tinker:// checkpoints, not {checkpoint!r}")
+        for path in (checkpoint, checkpoint.replace("/weights/", "/sampler_weights/", 1)):
+            try:
+                tinker.RestClient(base_url=self.base_url or None).delete_checkpoint_from_tinker_path(path).result()
+            except Exception as err:  # noqa: BLE001 - a copy left behind costs storage, not the run
+                log.warning("could not delete %s from the Tinker service (%s)", path, err)
 
     def export_checkpoint(self, checkpoint: str, folder: str) -> Export:
         """`checkpoint` downloaded from the service and written as a PEFT adapter in `folder/adapter`."""
