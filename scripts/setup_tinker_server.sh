@@ -33,6 +33,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   fi
   echo "installing $SKYRL_SPEC into $VENV (about 6.6 GB, a few minutes the first time) ..." >&2
   if [ -x "$UV" ]; then
+    # uv's download cache beside the environment, not in ~/.cache: the wheels are about 2 GB.
+    export UV_CACHE_DIR=${UV_CACHE_DIR:-$CACHE/uv-cache}
     install=("$UV" pip install -q --python "$VENV/bin/python")
   else
     install=("$VENV/bin/python" -m pip install -q)
