@@ -173,3 +173,26 @@ def test_dppo_is_refused_by_name_on_tinker():
     backend = TinkerBackend("Qwen/Qwen3-8B", lora_rank=32, service_client=StandInService())
     with pytest.raises(BackendError, match="dppo runs on backend=local only.*cispo, gspo"):
         backend.forward_backward([_datum()], "dppo")
+
+
+def test_gspo_sends_a_sequence_ratio_mask_over_the_sampled_tokens():
+    """No server here serves gspo (SkyRL 0.4.0's JAX backend refuses it), so what is sent is checked here: the mask
+    marks the tokens with an advantage, the ones rl_losses.py's gspo averages its sequence ratio over. Before, none
+    was sent."""
+    service = StandInService()
+    backend = TinkerBackend("Qwen/Qwen3-8B", lora_rank=32, service_client=service)
+    sent = []
+    submit = backend.client.forward_backward
+    backend.client.forward_backward = lambda data, loss_fn, config: sent.extend(data) or submit(data, loss_fn, config)
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints([1, 2, 3, 4]),
+        loss_fn_inputs={
+            "target_tokens": [2, 3, 4, 5],
+            "logprobs": [0.0, -0.5, 0.0, -0.2],
+            "advantages": [0, 0.5, 0, 0.5],
+        },
+    )
+    backend.forward_backward([datum], "gspo").result()
+    assert sent[0].loss_fn_inputs["sequence_ratio_mask"].tolist() == [0.0, 1.0, 0.0, 1.0]
+    backend.forward_backward([datum], "ppo").result()
+    assert "sequence_ratio_mask" not in sent[1].loss_fn_inputs

@@ -126,6 +126,7 @@ class TinkerBackend(TrainingBackend):
     ) -> Future[ForwardBackwardResult]:
         config = _tinker_loss_config(loss_fn, loss_fn_config)
         n_tokens = sum(_n_tokens(d, loss_fn) for d in data)
+        data = _with_sequence_ratio_mask(data) if loss_fn == "gspo" else data
         return _Mapped(self.client.forward_backward(data, loss_fn, config), lambda out: _fb_result(out, n_tokens))
 
     def forward(
@@ -133,6 +134,7 @@ class TinkerBackend(TrainingBackend):
     ) -> Future[ForwardBackwardResult]:
         config = _tinker_loss_config(loss_fn, loss_fn_config)
         n_tokens = sum(_n_tokens(d, loss_fn) for d in data)
+        data = _with_sequence_ratio_mask(data) if loss_fn == "gspo" else data
         return _Mapped(self.client.forward(data, loss_fn, config), lambda out: _fb_result(out, n_tokens))
 
     def optim_step(self, adam: types.AdamParams) -> Future[dict[str, float]]:
@@ -302,6 +304,19 @@ def _tinker_loss_config(loss_fn: str, config: dict[str, float] | None) -> dict[s
     if loss_fn not in TINKER_LOSSES:
         raise ValueError(f"loss_fn={loss_fn!r}: choose one of {TINKER_LOSSES}")
     return config if loss_fn == "cross_entropy" else settings(loss_fn, config)
+
+
+def _with_sequence_ratio_mask(data: list[types.Datum]) -> list[types.Datum]:
+    """gspo's datums with `sequence_ratio_mask` (a loss_fn_inputs key of SDK 0.38): 1 on the sampled tokens, the
+    ones with an advantage, as rl_losses.py's gspo averages its sequence ratio over. Without it a server may
+    average over every position, prompt and observations included, where tbexp sends a logprob of 0."""
+    out = []
+    for d in data:
+        inputs = dict(d.loss_fn_inputs)
+        if "sequence_ratio_mask" not in inputs and "advantages" in inputs:
+            inputs["sequence_ratio_mask"] = [float(a != 0) for a in inputs["advantages"].tolist()]
+        out.append(types.Datum(model_input=d.model_input, loss_fn_inputs=inputs))
+    return out
 
 
 def _n_tokens(datum: types.Datum, loss_fn: str) -> float:
