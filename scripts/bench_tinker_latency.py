@@ -32,6 +32,13 @@ checkpoint save falls outside it, and in the synchronous loop so does the
 sampling client's weight save), steps/s, episodes/s, the ratio to the
 synchronous run, the mean seconds from one step's end to the next (which
 includes those saves), the whole `grpo.train` call, and the load average.
+
+`--rollouts 1,4,16` measures rollouts instead: episodes/s of the model policy on the RL tasks at each
+concurrency, through the same stand-in with the same synthetic sample latency, for the sampling path as it is
+("concurrent": a request submitted under ModelRuntime's lock, its reply awaited outside it) and as it was before
+issue #42 ("lock held": the reply awaited inside the lock, reproduced here by wrapping the sampler).
+With `--base-url URL` the rollouts sample from a real Tinker-API server instead (scripts/start_tinker_server.sh;
+any TINKER_API_KEY): no synthetic latency then, the server's own.
 """
 
 from __future__ import annotations
@@ -64,6 +71,9 @@ def main() -> None:
     parser.add_argument("--sample-s", type=float, default=0.3, help="latency of a sample call")
     parser.add_argument("--sample-token-s", type=float, default=0.01, help="latency per token sampled")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--rollouts", default="", help="concurrencies, e.g. 1,4,16: rollout episodes/s instead")
+    parser.add_argument("--base-url", default="", help="--rollouts: sample from this Tinker-API server")
+    parser.add_argument("--episodes", type=int, default=16, help="--rollouts: episodes per concurrency")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides, e.g. grpo.group_size=8")
     args = parser.parse_args()
     latency = {
@@ -103,6 +113,10 @@ def main() -> None:
     print("synthetic latencies (s):", json.dumps({**latency, "sample per token": args.sample_token_s}))
 
     run = Path(tempfile.mkdtemp(prefix="bench-tinker-latency-"))
+    if args.rollouts:
+        concurrencies = [int(c) for c in args.rollouts.split(",")]
+        _rollouts(bench, concurrencies, args.episodes, run, stand_in, tinker_backend, args.base_url)
+        return
     rows = []
     for name, variant in VARIANTS.items():
         service = stand_in.StandInService(run / name / "service")
@@ -112,6 +126,61 @@ def main() -> None:
         grpo.train(job, "", job.tasks("rl"), run / name / "grpo")
         rows.append(_totals(name, job.cfg, run / name / "grpo", time.perf_counter() - clock))
     _print_table(rows, args.steps, job.cfg)
+
+
+def _rollouts(
+    bench: list[str], concurrencies: list[int], n_episodes: int, run: Path, stand_in, tinker_backend, base_url: str
+) -> None:
+    """Episodes/s of the model policy at each concurrency, sampling path as it is and as it was (module doc)."""
+    import threading
+
+    from tbexp.build import run_policy
+    from tbexp.job import Job
+    from tests.conftest import compose_config
+
+    if base_url:
+        bench = [*bench, f"backend.base_url={base_url}"]
+    else:
+        service = stand_in.StandInService(run / "service")
+        tinker_backend._connect = lambda base_url: service
+    job = Job(compose_config(*bench), run_dir=run / "rollouts")
+    tasks = job.tasks("rl")
+    n_runs = max(1, n_episodes // len(tasks))
+    sampler = job.models.sampler("")
+
+    class LockHeld:  # the pre-#42 path: the reply awaited while ModelRuntime's lock is held
+        tokenizer = sampler.tokenizer
+        lock = threading.Lock()
+
+        def sample(self, prompt, num_samples, params):
+            with self.lock:
+                value = sampler.sample(prompt, num_samples, params).result()
+            return type("Done", (), {"result": lambda _self: value})()
+
+        def compute_logprobs(self, prompt):
+            return sampler.compute_logprobs(prompt)
+
+    rows = []
+    # A real server compiles each new batch shape on first sight (SkyRL's JAX: seconds each), so against one every
+    # setting runs once unmeasured first; the stand-in has nothing to warm.
+    for path, wrapped in (("lock held", LockHeld()), ("concurrent", sampler)):
+        for concurrency in concurrencies:
+            runtime = job.models.runtime(wrapped, job.cfg.sampling, seed=0)
+            for measured in (False, True) if base_url else (True,):
+                clock = time.perf_counter()
+                episodes = run_policy(job, tasks, n_runs, concurrency, "model", runtime)
+                seconds = time.perf_counter() - clock
+            rows.append({"path": path, "concurrency": concurrency, "episodes": len(episodes), "s": seconds})
+    where = f"SkyRL's Tinker server at {base_url}" if base_url else "the Tinker stand-in, SYNTHETIC LATENCIES"
+    print(f"\nrollouts on {where}, load average {os.getloadavg()[0]:.1f}, {os.cpu_count()} cores")
+    print(f"{'path':<11} {'concurrency':>11} {'episodes':>8} {'s':>7} {'ep/s':>6} {'x at 1':>6}")
+    for r in rows:
+        base = next(b for b in rows if b["path"] == r["path"] and b["concurrency"] == concurrencies[0])
+        print(
+            f"{r['path']:<11} {r['concurrency']:>11} {r['episodes']:>8} {r['s']:7.1f} "
+            f"{r['episodes'] / r['s']:6.2f} {base['s'] / r['s'] * r['episodes'] / base['episodes']:6.2f}"
+        )
+    print(json.dumps({"synthetic_latencies": not base_url, "rows": rows}))
 
 
 def _delayed(later: type, latency: dict[str, float], token_s: float) -> type:

@@ -42,6 +42,7 @@ def main(cfg: DictConfig) -> float:
         random.seed(stream(cfg.seed, "process"))
         stage = importlib.import_module(f"tbexp.stages.{cfg.stage.name}")
         job = Job(cfg)  # the one place that builds what the stages share
+        job.models.probe()  # a service that lacks the model or the loss says so now, not after the collection
         with job_run(cfg):  # the job's one W&B / Trackio run, if logger says so
             metrics = stage.run(job)
             note_result(metrics)  # the W&B report reads a sweep's objective from the runs' summaries

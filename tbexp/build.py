@@ -77,10 +77,11 @@ class TinkerHost:
         m = self.cfg.model
         self.loads += 1
         return TinkerBackend(
-            m.path or m.name,
+            _tinker_model(m),
             lora_rank=m.lora_rank,
             lora_dropout=m.lora_dropout,
             lora_targets=list(m.lora_targets),
+            lora_target_parameters=list(m.lora_target_parameters),
             logit_scale=m.logit_scale,
             seed=self.cfg.seed,
             base_url=self.cfg.backend.base_url,
@@ -90,7 +91,15 @@ class TinkerHost:
     def sampler(self, checkpoint: str = "") -> Sampler:
         from tbexp.backends.tinker_backend import sampling_client
 
-        return sampling_client(self._connection(), self.cfg.model.path or self.cfg.model.name, checkpoint)
+        return sampling_client(self._connection(), _tinker_model(self.cfg.model), checkpoint)
+
+    def probe(self, losses: list[str]) -> None:
+        """Refuse, by name and before any work, a model the service does not serve or an RL loss it refuses (SkyRL's
+        JAX backend refuses gspo): the service's model list, then one forward pass per loss on a two-token datum
+        through a training client made for it."""
+        from tbexp.backends.tinker_backend import probe_service
+
+        probe_service(self._connection(), self.cfg.backend.base_url, _tinker_model(self.cfg.model), losses)
 
     def _connection(self) -> Any:
         if self._service is None:
@@ -98,6 +107,14 @@ class TinkerHost:
 
             self._service = _connect(self.cfg.backend.base_url)
         return self._service
+
+
+def _tinker_model(m: Any) -> str:
+    """The base model's name for the service: model.path, or a shipped model's directory (a self-hosted server such as
+    scripts/start_tinker_server.sh serves it by that path), else model.name."""
+    from tbexp.models import SHIPPED, resolve_model_path
+
+    return resolve_model_path(m) if m.path or m.name in SHIPPED else str(m.name)
 
 
 def make_host(cfg: Any) -> Any:

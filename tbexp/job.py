@@ -148,6 +148,15 @@ class ModelHost:
         self.cfg = cfg
         self._host: Host = make_host(cfg)
 
+    def probe(self) -> None:
+        """A remote host checks, before any work, that it serves this job's model and the RL loss it will train with."""
+        probe = getattr(self._host, "probe", None)
+        if probe is None:
+            return
+        c = self.cfg
+        rl = c.stage.name == "grpo" or (c.stage.name == "pipeline" and "grpo" in c.pipeline.stages)
+        probe([c.grpo.loss_fn] if rl else [])
+
     @property
     def loads(self) -> int:
         """How many times base weights were loaded (one per distinct set of weights is the aim)."""

@@ -23,6 +23,15 @@ def test_there_are_experiments():
     assert "eval" in EXPERIMENTS
 
 
+@pytest.mark.parametrize("model,lr", [("qwen3_8b", 1e-3), ("llama3_1_8b", 3e-4), ("gpt_oss_20b", 1e-4)])
+def test_hub_models_on_tinker_train_sft_at_the_cookbooks_rate(model, lr):
+    """tinker-cookbook's calibrated LoRA SFT rates (conf/model_tuning/<model>_tinker.yaml); before, 1e-2, the tiny
+    model's. The local backend and the command line keep theirs."""
+    assert compose_config(f"model={model}", "backend=tinker").sft.learning_rate == lr
+    assert compose_config(f"model={model}").sft.learning_rate == 1e-2
+    assert compose_config(f"model={model}", "backend=tinker", "sft.learning_rate=5e-5").sft.learning_rate == 5e-5
+
+
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_every_experiment_composes_and_checks(name):
     cfg = compose_config(f"+experiment={name}")

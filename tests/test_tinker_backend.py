@@ -1,9 +1,10 @@
-"""The Tinker adapter, against a stand-in at the SDK's boundary.
+"""The Tinker adapter, against a stand-in at the SDK's boundary: only what no server here can show.
 
-The Tinker service cannot be reached from this machine (no network, no API
-key), so these tests replace `tinker.ServiceClient` with a stand-in that
-records calls and returns futures shaped like the SDK's. They check the
-adapter's mapping, pipelining and refusals, not the service itself.
+tests/test_tinker_server.py runs the backend against a real Tinker-API server (SkyRL's): training, checkpoints,
+resuming, sampling, the mapping of every reply. What stays here cannot be seen from a server's replies: which LoRA
+switches and loss_fn_config keys the adapter sends (SkyRL's JAX backend answers the same either way, and refuses
+gspo), and the refusals made before any call. The stand-in replaces `tinker.ServiceClient`, records calls and
+returns futures shaped like the SDK's.
 """
 
 from __future__ import annotations
@@ -79,7 +80,9 @@ class StandInService:
     def __init__(self):
         self.log = []
 
-    def create_lora_training_client(self, base_model, rank, seed, train_attn, train_mlp, train_unembed):
+    def create_lora_training_client(
+        self, base_model, rank, seed=None, train_attn=True, train_mlp=True, train_unembed=True
+    ):
         self.log.append(f"create {base_model} rank={rank} attn={train_attn} mlp={train_mlp} unembed={train_unembed}")
         return StandInFuture(self.log, "create", StandInTraining(self.log))
 
@@ -99,76 +102,23 @@ def _datum(n=3):
     )
 
 
-def test_missing_api_key_stops_at_once_saying_what_to_set(monkeypatch):
+def test_no_credential_stops_at_once_saying_what_to_set(monkeypatch, tmp_path):
     monkeypatch.delenv("TINKER_API_KEY", raising=False)
-    with pytest.raises(BackendError, match="TINKER_API_KEY"):
+    monkeypatch.delenv("TINKER_CREDENTIAL_CMD", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no key stored by `tinker auth login` either
+    with pytest.raises(BackendError, match="TINKER_API_KEY.*tinker auth login.*TINKER_CREDENTIAL_CMD"):
         TinkerBackend("Qwen/Qwen3-8B", lora_rank=32)
 
 
-def test_calls_are_pipelined_and_mapped():
-    service = StandInService()
-    backend = TinkerBackend("Qwen/Qwen3-8B", lora_rank=32, service_client=service)
-    fb = backend.forward_backward([_datum(), _datum(4)], "cross_entropy")
-    step = backend.optim_step(types.AdamParams(learning_rate=2e-5))
-    assert service.log[-2:] == [
-        "submit forward_backward cross_entropy",
-        "submit optim_step lr=2e-05",
-    ]  # nothing waited yet
-    result = fb.result()
-    assert result.loss == 1.5 and result.n_tokens == 5.0 and result.logprobs[1] == [-0.5] * 4
-    assert step.result() == {"optim/grad_norm": 0.1}
-    assert service.log[-2:] == ["wait forward_backward", "wait optim_step"]
+def test_the_sdks_other_credentials_are_accepted(monkeypatch, tmp_path):
+    """TINKER_CREDENTIAL_CMD (and a key stored by `tinker auth login`) are the SDK's own; before, tbexp refused
+    every run without TINKER_API_KEY. Nothing is called: the connection is made, not used."""
+    monkeypatch.delenv("TINKER_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("TINKER_CREDENTIAL_CMD", "echo tml-from-a-command")
+    from tbexp.backends.tinker_backend import _connect
 
-
-def test_checkpoints_are_tinker_uris_and_resume_with_the_optimizer():
-    service = StandInService()
-    backend = TinkerBackend("Qwen/Qwen3-8B", lora_rank=32, service_client=service)
-    uri = backend.save_state("step-50")
-    assert uri == "tinker://run-1/weights/step-50"
-    TinkerBackend("Qwen/Qwen3-8B", lora_rank=32, service_client=service, load_checkpoint=uri)
-    assert f"resume {uri}" in service.log
-    with pytest.raises(BackendError, match="tinker://"):
-        backend.load_state("/local/dir")
-
-
-def test_a_checkpoint_saves_sampler_weights_beside_its_state_and_samples_without_a_training_client(monkeypatch):
-    """The job's model host on backend=tinker, against the stand-in service (no real Tinker is reached)."""
-    from tbexp.job import Job
-    from tests.conftest import compose_config
-
-    service = StandInService()
-    uri = TinkerBackend("Qwen/Qwen3-8B", lora_rank=32, service_client=service).save_state("step-50")
-    assert "save_weights_for_sampler step-50" in service.log
-
-    import tbexp.backends.tinker_backend as tinker_backend
-
-    monkeypatch.setattr(tinker_backend, "_connect", lambda base_url: service)
-    models = Job(
-        compose_config("backend=tinker", "model.lora_rank=8", "model.logit_scale=false", "model.name=Qwen/Qwen3-8B")
-    ).models
-    before = len(service.log)
-    assert models.sampler(uri).tokenizer == "tokenizer"
-    models.sampler("")
-    assert service.log[before:] == [
-        "create_sampling_client model_path=tinker://run-1/sampler_weights/step-50 base_model=None",
-        "wait sampling_client",
-        "create_sampling_client model_path=None base_model=Qwen/Qwen3-8B",
-        "wait sampling_client",
-    ]  # no training client: an eval needs no optimizer
-    assert models.loads == 0
-    with pytest.raises(BackendError, match="tinker://"):
-        models.sampler("/local/step-50")
-
-
-def test_sampling_maps_sequences():
-    backend = TinkerBackend("Qwen/Qwen3-8B", lora_rank=32, service_client=StandInService())
-    seqs = backend.sampler().sample(types.ModelInput.from_ints([1, 2]), 3, types.SamplingParams(max_tokens=4)).result()
-    assert (
-        len(seqs) == 3
-        and seqs[0].tokens == [5, 6]
-        and seqs[0].logprobs == [-0.1, -0.2]
-        and seqs[0].stop_reason == "stop"
-    )
+    assert _connect("http://127.0.0.1:9") is not None
 
 
 @pytest.mark.parametrize(
@@ -185,10 +135,23 @@ def test_settings_tinker_cannot_honour_are_refused(kwargs, needle):
         TinkerBackend("Qwen/Qwen3-8B", service_client=StandInService(), **kwargs)
 
 
-def test_lora_targets_map_to_the_services_switches():
+@pytest.mark.parametrize(
+    "targets,parameters,switches",
+    [
+        (["q_proj", "v_proj"], [], "attn=True mlp=False unembed=False"),
+        # gpt-oss (conf/model/gpt_oss_20b.yaml): attention modules plus the experts' 3-D parameters, which are MLP;
+        # before, its recipe trained attention-only LoRA on Tinker.
+        (["q_proj", "k_proj", "v_proj", "o_proj"], ["mlp.experts.gate_up_proj"], "attn=True mlp=True unembed=False"),
+        (None, None, "attn=True mlp=True unembed=True"),  # no targets named: Tinker's defaults
+    ],
+)
+def test_lora_targets_map_to_the_services_switches(targets, parameters, switches):
     service = StandInService()
-    TinkerBackend("Qwen/Qwen3-8B", lora_rank=16, lora_targets=["q_proj", "v_proj"], service_client=service)
-    assert service.log[0] == "create Qwen/Qwen3-8B rank=16 attn=True mlp=False unembed=False"
+    backend = TinkerBackend(
+        "Qwen/Qwen3-8B", lora_rank=16, lora_targets=targets, lora_target_parameters=parameters, service_client=service
+    )
+    backend.client  # the training client is made at first use
+    assert service.log[0] == f"create Qwen/Qwen3-8B rank=16 {switches}"
 
 
 @pytest.mark.parametrize(
@@ -210,3 +173,26 @@ def test_dppo_is_refused_by_name_on_tinker():
     backend = TinkerBackend("Qwen/Qwen3-8B", lora_rank=32, service_client=StandInService())
     with pytest.raises(BackendError, match="dppo runs on backend=local only.*cispo, gspo"):
         backend.forward_backward([_datum()], "dppo")
+
+
+def test_gspo_sends_a_sequence_ratio_mask_over_the_sampled_tokens():
+    """No server here serves gspo (SkyRL 0.4.0's JAX backend refuses it), so what is sent is checked here: the mask
+    marks the tokens with an advantage, the ones rl_losses.py's gspo averages its sequence ratio over. Before, none
+    was sent."""
+    service = StandInService()
+    backend = TinkerBackend("Qwen/Qwen3-8B", lora_rank=32, service_client=service)
+    sent = []
+    submit = backend.client.forward_backward
+    backend.client.forward_backward = lambda data, loss_fn, config: sent.extend(data) or submit(data, loss_fn, config)
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints([1, 2, 3, 4]),
+        loss_fn_inputs={
+            "target_tokens": [2, 3, 4, 5],
+            "logprobs": [0.0, -0.5, 0.0, -0.2],
+            "advantages": [0, 0.5, 0, 0.5],
+        },
+    )
+    backend.forward_backward([datum], "gspo").result()
+    assert sent[0].loss_fn_inputs["sequence_ratio_mask"].tolist() == [0.0, 1.0, 0.0, 1.0]
+    backend.forward_backward([datum], "ppo").result()
+    assert "sequence_ratio_mask" not in sent[1].loss_fn_inputs

@@ -62,9 +62,13 @@ class Export:
     path: str
     kind: str  # "adapter": PeftModel.from_pretrained(base, path) loads it; "hf_model": a whole model (full fine-tuning)
     base_model: str  # the base model's Hub id or directory, as the adapter's config names it
+    error: str = ""  # kind "none": the export failed with this, and nothing was written; `checkpoint` is still there
+    checkpoint: str = ""
 
     def describe(self) -> str:
         """What was written and the lines that load it."""
+        if self.kind == "none":
+            return f"export failed ({self.error}); the trained checkpoint is kept: {self.checkpoint}"
         if self.kind == "adapter":
             return (
                 f"PEFT adapter: {self.path}\n  load it with PeftModel.from_pretrained("
@@ -134,6 +138,12 @@ class TrainingBackend(abc.ABC):
     @abc.abstractmethod
     def load_weights(self, path: str) -> None:
         """Only the weights of a saved state, with a fresh optimizer: a new stage starting from a checkpoint."""
+
+    def delete_checkpoint(self, checkpoint: str) -> None:
+        """Remove a superseded `save_state` checkpoint (a local directory here; a service's stored copy on Tinker)."""
+        import shutil
+
+        shutil.rmtree(checkpoint, ignore_errors=True)
 
     def export_checkpoint(self, checkpoint: str, folder: str) -> Export:
         """Write `checkpoint` (a `save_state` path or URI) for use without tbexp: a PEFT adapter in `folder/adapter`

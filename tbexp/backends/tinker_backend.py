@@ -17,13 +17,14 @@ Checkpoints are `tinker://` URIs; a run resumes from one with its optimizer.
 
 from __future__ import annotations
 
-import os
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from tinker import types
 
+from tbexp.backends import tinker_compat
 from tbexp.backends.base import (
     Export,
     ForwardBackwardResult,
@@ -37,6 +38,7 @@ from tbexp.errors import TbexpError
 
 ATTENTION = {"q_proj", "k_proj", "v_proj", "o_proj"}
 MLP = {"gate_proj", "up_proj", "down_proj", "mlp", "experts"}
+log = logging.getLogger(__name__)
 TINKER_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "gspo")  # served by Tinker itself
 
 
@@ -63,6 +65,7 @@ class TinkerBackend(TrainingBackend):
         lora_rank: int,
         lora_dropout: float = 0.0,
         lora_targets: list[str] | None = None,
+        lora_target_parameters: list[str] | None = None,
         logit_scale: bool = False,
         seed: int = 0,
         base_url: str = "",
@@ -77,8 +80,7 @@ class TinkerBackend(TrainingBackend):
             raise BackendError(
                 "backend=tinker trains LoRA adapters only, not a logit scale: set model.logit_scale=false"
             )
-        targets = set(lora_targets or ATTENTION | MLP)
-        unknown = targets - ATTENTION - MLP - {"lm_head", "unembed"}
+        unknown = set(lora_targets or ()) - ATTENTION - MLP - {"lm_head", "unembed"}
         if unknown:
             raise BackendError(
                 f"backend=tinker chooses LoRA modules only as attention / MLP / unembedding; cannot target {sorted(unknown)}"
@@ -86,24 +88,45 @@ class TinkerBackend(TrainingBackend):
         if service_client is None:
             service_client = _connect(base_url)
         self.service, self.base_model = service_client, base_model  # export_checkpoint needs both
+        self.base_url = base_url
+        # Tinker's defaults (attention, MLP and unembedding) unless the model names its modules. A model whose MLP
+        # weights are not nn.Linear modules names them in lora_target_parameters (gpt-oss's experts): MLP too.
+        named = set(lora_targets or ()) | {p.split(".")[0] for p in lora_target_parameters or ()}
+        self.lora = (
+            {}
+            if lora_targets is None
+            else {
+                "train_attn": bool(named & ATTENTION),
+                "train_mlp": bool(named & MLP),
+                "train_unembed": bool(named & {"lm_head", "unembed"}),
+            }
+        )
+        self.lora_rank, self.seed = lora_rank, seed
+        self._client: Any = None  # made at first use: from a checkpoint when load_* comes first (one client, not two)
+        self._tokenizer: Any = None
         if load_checkpoint.startswith("tinker://"):
-            self.client = service_client.create_training_client_from_state_with_optimizer(load_checkpoint).result()
-        else:
-            self.client = service_client.create_lora_training_client(
-                base_model,
-                rank=lora_rank,
-                seed=seed,
-                train_attn=bool(targets & ATTENTION),
-                train_mlp=bool(targets & MLP),
-                train_unembed=bool(targets & {"lm_head", "unembed"}) or lora_targets is None,
+            self.load_state(load_checkpoint)
+
+    @property
+    def client(self) -> Any:
+        if self._client is None:
+            self._client = self.service.create_lora_training_client(
+                self.base_model, rank=self.lora_rank, seed=self.seed, **self.lora
             ).result()
-        self.tokenizer = self.client.get_tokenizer()
+        return self._client
+
+    @property
+    def tokenizer(self) -> Any:  # type: ignore[override]
+        if self._tokenizer is None:
+            self._tokenizer = self.client.get_tokenizer()
+        return self._tokenizer
 
     def forward_backward(
         self, data: list[types.Datum], loss_fn: str, loss_fn_config: dict[str, float] | None = None
     ) -> Future[ForwardBackwardResult]:
         config = _tinker_loss_config(loss_fn, loss_fn_config)
         n_tokens = sum(_n_tokens(d, loss_fn) for d in data)
+        data = _with_sequence_ratio_mask(data) if loss_fn == "gspo" else data
         return _Mapped(self.client.forward_backward(data, loss_fn, config), lambda out: _fb_result(out, n_tokens))
 
     def forward(
@@ -111,6 +134,7 @@ class TinkerBackend(TrainingBackend):
     ) -> Future[ForwardBackwardResult]:
         config = _tinker_loss_config(loss_fn, loss_fn_config)
         n_tokens = sum(_n_tokens(d, loss_fn) for d in data)
+        data = _with_sequence_ratio_mask(data) if loss_fn == "gspo" else data
         return _Mapped(self.client.forward(data, loss_fn, config), lambda out: _fb_result(out, n_tokens))
 
     def optim_step(self, adam: types.AdamParams) -> Future[dict[str, float]]:
@@ -130,18 +154,49 @@ class TinkerBackend(TrainingBackend):
     def load_state(self, path: str) -> None:
         if not path.startswith("tinker://"):
             raise BackendError(f"backend=tinker resumes only from tinker:// checkpoints, not {path!r}")
-        self.client.load_state_with_optimizer(path).result()
+        self._from_state(path, optimizer=True)
 
     def load_weights(self, path: str) -> None:
         if not path.startswith("tinker://"):
             raise BackendError(f"backend=tinker starts only from tinker:// checkpoints, not {path!r}")
-        self.client.load_state(path).result()
+        self._from_state(path, optimizer=False)
+
+    def _from_state(self, path: str, optimizer: bool) -> None:
+        """A new training client on `path` through create_training_client_from_state* (SDK 0.38 deprecates loading
+        into an existing client); a client made before (a resumed run's reference sampler came from it) is left to
+        the service's session time-out."""
+        import tinker
+
+        self._client = tinker_compat.training_client_from_state(
+            self.service,
+            lambda: tinker.RestClient(base_url=self.base_url or None),
+            path,
+            optimizer,
+            seed=self.seed,
+            **self.lora,
+        )
+
+    def delete_checkpoint(self, checkpoint: str) -> None:
+        """The service's copies of `checkpoint` (its state and the sampler weights beside it) deleted: stored
+        checkpoints are kept, and billed, until deleted. A failure is logged, not raised: the run goes on."""
+        import tinker
+
+        if not checkpoint.startswith("tinker://"):
+            raise BackendError(f"backend=tinker deletes only tinker:// checkpoints, not {checkpoint!r}")
+        for path in (checkpoint, checkpoint.replace("/weights/", "/sampler_weights/", 1)):
+            try:
+                tinker.RestClient(base_url=self.base_url or None).delete_checkpoint_from_tinker_path(path).result()
+            except Exception as err:  # noqa: BLE001 - a copy left behind costs storage, not the run
+                log.warning("could not delete %s from the Tinker service (%s)", path, err)
 
     def export_checkpoint(self, checkpoint: str, folder: str) -> Export:
         """`checkpoint` downloaded from the service and written as a PEFT adapter in `folder/adapter`."""
         from tbexp.backends.adapters import export_tinker
 
-        return export_tinker(self.service, checkpoint, Path(folder), self.base_model, self.tokenizer)
+        try:
+            return export_tinker(self.service, checkpoint, Path(folder), self.base_model, self.tokenizer)
+        except Exception as err:  # noqa: BLE001 - the trained checkpoint is the stage's result; the export a copy
+            return Export("", "none", self.base_model, error=f"{type(err).__name__}: {err}", checkpoint=checkpoint)
 
 
 def sampling_client(service_client: Any, base_model: str, checkpoint: str = "") -> TinkerSampler:
@@ -176,20 +231,67 @@ class TinkerSampler(Sampler):
                 SampledSequence(list(s.tokens), list(s.logprobs or []), str(s.stop_reason)) for s in response.sequences
             ]
 
+        if params.seed is not None:
+            params = params.model_copy(update={"seed": tinker_compat.fold_seed(params.seed)})
         return _Mapped(self.client.sample(prompt=prompt, num_samples=num_samples, sampling_params=params), convert)
 
     def compute_logprobs(self, prompt: types.ModelInput) -> Future[list[float | None]]:
-        return _Mapped(self.client.compute_logprobs(prompt), list)
+        n_tokens = prompt.length
+        return _Mapped(
+            self.client.compute_logprobs(prompt), lambda out: tinker_compat.aligned_prompt_logprobs(out, n_tokens)
+        )
 
 
 def _connect(base_url: str) -> Any:
-    if not os.environ.get("TINKER_API_KEY"):
+    """A ServiceClient, once the SDK has found a credential its own way: TINKER_API_KEY, TINKER_CREDENTIAL_CMD, or the
+    key `tinker auth login` stored. A ServiceClient looks only at its first call, after a job's first stage; the SDK's
+    resolver (private in 0.38) looks now, without the network."""
+    import tinker
+    from tinker.lib._auth_token_provider import resolve_auth_provider
+
+    try:
+        resolve_auth_provider(None, enforce_cmd=False)
+    except tinker.TinkerError as err:
         raise BackendError(
-            "backend=tinker needs TINKER_API_KEY: export TINKER_API_KEY=tml-... (from the Tinker console), or use backend=local"
-        )
+            f"backend=tinker found no Tinker credential ({err}): export TINKER_API_KEY=tml-... (from the Tinker "
+            "console), run `tinker auth login`, or set TINKER_CREDENTIAL_CMD; or use backend=local"
+        ) from None
+    tinker_compat.allow_replies_without_sequence_ids()
+    return tinker.ServiceClient(base_url=base_url or None)
+
+
+def probe_service(service: Any, base_url: str, base_model: str, losses: list[str]) -> None:
+    """BackendError, naming what to change, when the service at `base_url` does not serve `base_model` or refuses
+    one of `losses` (each tried as one forward pass on a two-token datum, through a training client made for it)."""
     import tinker
 
-    return tinker.ServiceClient(base_url=base_url or None)
+    served = [
+        m.model_name
+        for m in tinker.RestClient(base_url=base_url or None).get_server_capabilities().result().supported_models
+    ]
+    if base_model not in served:
+        raise BackendError(
+            f"the Tinker service {base_url or '(default)'} does not serve model {base_model!r}; it serves: "
+            + ", ".join(served)
+        )
+    rl = [loss for loss in losses if loss != "cross_entropy"]
+    if not rl:
+        return
+    for loss in rl:
+        _tinker_loss_config(loss, None)  # refused here already when no Tinker server has it (dppo)
+    client = service.create_lora_training_client(base_model, rank=1).result()
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints([0, 0]),
+        loss_fn_inputs={"target_tokens": [0, 0], "logprobs": [0.0, 0.0], "advantages": [0.0, 0.0]},
+    )
+    for loss in rl:
+        try:
+            client.forward([datum], loss, _tinker_loss_config(loss, None)).result()
+        except Exception as err:  # noqa: BLE001 - the SDK wraps the server's 400 in a ValueError after its retries
+            raise BackendError(
+                f"grpo.loss_fn={loss}: the Tinker service {base_url or '(default)'} refuses it ({err}); "
+                "choose another loss it serves (SkyRL's JAX backend: importance_sampling, ppo, cispo)"
+            ) from None
 
 
 def _tinker_loss_config(loss_fn: str, config: dict[str, float] | None) -> dict[str, float] | None:
@@ -204,6 +306,19 @@ def _tinker_loss_config(loss_fn: str, config: dict[str, float] | None) -> dict[s
     return config if loss_fn == "cross_entropy" else settings(loss_fn, config)
 
 
+def _with_sequence_ratio_mask(data: list[types.Datum]) -> list[types.Datum]:
+    """gspo's datums with `sequence_ratio_mask` (a loss_fn_inputs key of SDK 0.38): 1 on the sampled tokens, the
+    ones with an advantage, as rl_losses.py's gspo averages its sequence ratio over. Without it a server may
+    average over every position, prompt and observations included, where tbexp sends a logprob of 0."""
+    out = []
+    for d in data:
+        inputs = dict(d.loss_fn_inputs)
+        if "sequence_ratio_mask" not in inputs and "advantages" in inputs:
+            inputs["sequence_ratio_mask"] = [float(a != 0) for a in inputs["advantages"].tolist()]
+        out.append(types.Datum(model_input=d.model_input, loss_fn_inputs=inputs))
+    return out
+
+
 def _n_tokens(datum: types.Datum, loss_fn: str) -> float:
     inputs = datum.loss_fn_inputs
     if loss_fn == "cross_entropy" and "weights" in inputs:
@@ -214,5 +329,6 @@ def _n_tokens(datum: types.Datum, loss_fn: str) -> float:
 def _fb_result(output: Any, n_tokens: float) -> ForwardBackwardResult:
     metrics = dict(output.metrics or {})
     logprobs = [o["logprobs"].tolist() for o in output.loss_fn_outputs if "logprobs" in o]
-    loss = metrics.get("loss:sum", float("nan"))
-    return ForwardBackwardResult(loss=float(loss), n_tokens=n_tokens, logprobs=logprobs, metrics=metrics)
+    return ForwardBackwardResult(
+        loss=tinker_compat.summed_loss(output), n_tokens=n_tokens, logprobs=logprobs, metrics=metrics
+    )

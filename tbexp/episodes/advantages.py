@@ -80,16 +80,20 @@ def grpo_datums(
             continue
         advantaged += list(zip(group, advantages))
     n_sampled = sum(seq.n_sampled for ep, _ in advantaged for seq in sampled_sequences(ep))
+    sequences = [(seq, ep, a) for ep, a in advantaged for seq in sampled_sequences(ep) if seq.turns]
+    # Every reference request is submitted before any is awaited: a remote sampler (Tinker) works on them together.
+    refs = [
+        reference.compute_logprobs(types.ModelInput.from_ints(s.tokens)) if reference is not None else None
+        for s, _, _ in sequences
+    ]
     datums, kl_sum = [], 0.0
-    for ep, advantage in advantaged:
+    # A multi-step episode: one datum per step, all with the episode's advantage.
+    for (seq, ep, advantage), ref in zip(sequences, refs):
         episode_sampled = sum(seq.n_sampled for seq in sampled_sequences(ep))
         share = n_sampled if normalize == "token" else len(advantaged) * episode_sampled
-        for seq in sampled_sequences(ep):  # a multi-step episode: one datum per step, all with the episode's advantage
-            if not seq.turns:
-                continue
-            datum, kl = _datum(seq, advantage, share, kl_coef, reference, types)
-            datums.append(datum)
-            kl_sum += kl
+        datum, kl = _datum(seq, advantage, share, kl_coef, ref.result() if ref is not None else None, types)
+        datums.append(datum)
+        kl_sum += kl
     counts = {
         "groups": float(len(groups)),
         "groups_skipped": float(skipped),
@@ -101,11 +105,11 @@ def grpo_datums(
     return datums, counts
 
 
-def _datum(seq, advantage: float, share: float, kl_coef: float, reference, types) -> tuple:
-    """One sampled sequence as a training datum, and the sum of its tokens' KL to the reference."""
+def _datum(seq, advantage: float, share: float, kl_coef: float, ref, types) -> tuple:
+    """One sampled sequence as a training datum, and the sum of its tokens' KL to the reference (`ref`: the
+    reference's logprob of each token, None without one)."""
     tokens = seq.tokens
     logprobs, token_advantages = [0.0] * len(tokens), [0.0] * len(tokens)
-    ref = reference.compute_logprobs(types.ModelInput.from_ints(tokens)).result() if reference is not None else None
     kl_sum = 0.0
     for turn in seq.turns:
         for i, logp in enumerate(turn.logprobs):

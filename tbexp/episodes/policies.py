@@ -97,7 +97,10 @@ class ModelRuntime:
     seed: int | None = (
         None  # set: each reply's seed is a function of (seed, task, run, turn), so thread order does not matter
     )
-    lock: threading.Lock = field(default_factory=threading.Lock)  # one sample at a time: the CPU is shared anyway
+    # Held while a request is submitted, never while its reply is awaited: a sampler that works in the caller's thread
+    # (the local one) still samples one reply at a time, as the CPU is shared anyway, while a remote one (Tinker's
+    # SamplingClient.sample returns a future at once) gets every concurrent episode's request in flight together.
+    lock: threading.Lock = field(default_factory=threading.Lock)
     queue: Any = None  # a sampler that answers many prompts at once gets its concurrent requests batched
 
     def __post_init__(self):
@@ -165,7 +168,8 @@ class ModelPolicy:
 
 
 def sample_reply(runtime: ModelRuntime, tokens: list[int], params: Any) -> Any:
-    """One reply to `tokens`: through the runtime's batch queue when it has one, else one sample at a time."""
+    """One reply to `tokens`: through the runtime's batch queue when it has one, else submitted under the lock and
+    awaited outside it (ModelRuntime.lock says why)."""
     if runtime.queue is not None:
         from tbexp.backends.batch_sampling import Request
 
@@ -173,7 +177,8 @@ def sample_reply(runtime: ModelRuntime, tokens: list[int], params: Any) -> Any:
     from tinker import types
 
     with runtime.lock:
-        return runtime.sampler.sample(types.ModelInput.from_ints(tokens), 1, params).result()[0]
+        reply = runtime.sampler.sample(types.ModelInput.from_ints(tokens), 1, params)
+    return reply.result()[0]
 
 
 def solution_turns(script: str) -> list[str] | None:

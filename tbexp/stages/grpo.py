@@ -40,9 +40,9 @@ import itertools
 import json
 import logging
 import math
-import shutil
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -134,7 +134,7 @@ def train(job: Job, start: str, tasks: list[Task], out: Path) -> RLResult:
                 _evaluate(job, out, backend, state, tracker, step=step + 1)
             _save(state, state_path)
             tracker.log_checkpoint(state["checkpoint"], step + 1)
-            _drop_unless_kept(previous, state)
+            _drop_unless_kept(previous, state, backend.delete_checkpoint)
     finally:
         source.close()
 
@@ -159,7 +159,7 @@ def train(job: Job, start: str, tasks: list[Task], out: Path) -> RLResult:
         "grpo/rl_tasks": float(len(tasks)),
         **{k: best[k] for k in EVAL_KEYS},
     }
-    return RLResult(best["checkpoint"], metrics, {exported.kind: exported.path})
+    return RLResult(best["checkpoint"], metrics, {exported.kind: exported.path} if exported.path else {})
 
 
 def peak(evals: list[dict[str, Any]]) -> dict[str, Any]:
@@ -386,20 +386,21 @@ def _report(cfg: Config, evals: list[dict[str, Any]], step: int) -> None:
     trial.report(cfg, "grpo/best_reward", peak(evals)["eval/reward"], step)
 
 
-def _drop_unless_kept(checkpoint: str, state: dict[str, Any]) -> None:
-    """Delete a superseded per-step checkpoint unless an eval keeps it (local paths only). With pipelined rollouts,
-    one that a planned step still samples from waits in state["held"] until no plan needs it."""
+def _drop_unless_kept(checkpoint: str, state: dict[str, Any], delete: Callable[[str], None]) -> None:
+    """Delete a superseded per-step checkpoint unless an eval keeps it (`delete`: the backend's, so a Tinker service
+    stops storing it too). With pipelined rollouts, one that a planned step still samples from waits in
+    state["held"] until no plan needs it."""
     planned = {plan["checkpoint"] for plan in state.get("plans", [])}
     held = []
     for path in [checkpoint, *state.get("held", [])]:
-        if not path or path.startswith("tinker://") or path == state["checkpoint"]:
+        if not path or path == state["checkpoint"]:
             continue
         if any(e["checkpoint"] == path for e in state["evals"]):
             continue
         if path in planned:
             held.append(path)
             continue
-        shutil.rmtree(path, ignore_errors=True)
+        delete(path)
     if "plans" in state:
         state["held"] = held
 

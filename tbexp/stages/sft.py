@@ -159,7 +159,7 @@ def train(job: Job, data: Path, out: Path) -> SFTResult:
         "sft/steps_run": float(state["step"]),
         **{f"sft/{k}": float(v) for k, v in counts.items()},
     }
-    return SFTResult(best["checkpoint"], metrics, {exported.kind: exported.path})
+    return SFTResult(best["checkpoint"], metrics, {exported.kind: exported.path} if exported.path else {})
 
 
 Conversation = list[dict[str, str]]
