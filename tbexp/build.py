@@ -85,6 +85,7 @@ class TinkerHost:
             logit_scale=m.logit_scale,
             seed=self.cfg.seed,
             base_url=self.cfg.backend.base_url,
+            checkpoint_ttl_s=self.cfg.backend.checkpoint_ttl_s,
             service_client=self._connection(),
         )
 

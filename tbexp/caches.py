@@ -52,6 +52,7 @@ NOT_DECIDING: dict[str, str] = {
     "backend.gpu_memory_fraction": "how much of the card the job may hold: the KV pool's size, which moves only "
     "the batching of replies (as eval.concurrency)",
     "backend.gradient_checkpointing": "activations recomputed in the backward pass: the same gradients",
+    "backend.checkpoint_ttl_s": "how long a Tinker service keeps saved checkpoints, not what they hold",
     "sft.save_every": "extra checkpoints to resume from: the same steps and the same chosen checkpoint",
     "sft.eval_after": "stage=sft's evals after training, not the training",
     "eval.concurrency": "episodes at once: each reply's seed is its own (it moves only the rounding of sampling "

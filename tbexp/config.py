@@ -216,6 +216,9 @@ class TinkerBackendConfig(BackendConfig):
     _target_: str = "tbexp.build.TinkerHost"
     name: str = "tinker"
     base_url: str = ""  # a Tinker-compatible server; "" = the SDK's default
+    # How long the service keeps each saved checkpoint (hosted Tinker bills stored ones): 0 = until deleted (the
+    # SDK's default), else 3,600 s (an hour) to 315,360,000 s (ten years), the service's range.
+    checkpoint_ttl_s: int = 0
 
 
 @dataclass

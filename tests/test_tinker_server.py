@@ -14,7 +14,7 @@ import time
 import pytest
 from tinker import types
 
-from tbexp.backends.tinker_backend import TinkerBackend, sampling_client
+from tbexp.backends.tinker_backend import BackendError, TinkerBackend, sampling_client
 from tbexp.models import TINY_DIR
 from tests.conftest import compose_config
 from tests.tinker_server import tinker_server  # noqa: F401
@@ -154,3 +154,25 @@ def test_a_superseded_checkpoint_is_deleted_from_the_service(tinker_server):
     backend.delete_checkpoint(old)
     left = stored()
     assert old not in left and old.replace("/weights/", "/sampler_weights/") not in left and new in left
+
+
+def test_saved_checkpoints_carry_the_configured_time_to_live(tinker_server, monkeypatch):
+    """backend.checkpoint_ttl_s reaches both saves (state and sampler weights) and the real server takes it; before,
+    every checkpoint was saved with no TTL (stored, and on hosted Tinker billed, until deleted). What the server does
+    with the TTL is its own: the request is what tbexp controls, so the SDK's calls are watched, not replaced."""
+    with pytest.raises(BackendError, match="an hour"):
+        TinkerBackend(str(TINY_DIR), lora_rank=8, lora_targets=TARGETS, base_url=tinker_server, checkpoint_ttl_s=60)
+    backend = TinkerBackend(
+        str(TINY_DIR), lora_rank=8, lora_targets=TARGETS, seed=0, base_url=tinker_server, checkpoint_ttl_s=7200
+    )
+    sent: list[tuple[str, int | None]] = []
+    for name in ("save_state", "save_weights_for_sampler"):
+        real = getattr(backend.client, name)
+
+        def watched(path, ttl_seconds=None, *args, _real=real, _name=name, **kwargs):
+            sent.append((_name, ttl_seconds))
+            return _real(path, ttl_seconds, *args, **kwargs)
+
+        monkeypatch.setattr(backend.client, name, watched)
+    assert backend.save_state("kept-two-hours").startswith("tinker://")
+    assert sorted(sent) == [("save_state", 7200), ("save_weights_for_sampler", 7200)]

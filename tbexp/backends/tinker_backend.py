@@ -38,6 +38,7 @@ from tbexp.errors import TbexpError
 
 ATTENTION = {"q_proj", "k_proj", "v_proj", "o_proj"}
 MLP = {"gate_proj", "up_proj", "down_proj", "mlp", "experts"}
+TTL_RANGE_S = (3600, 315_360_000)  # a saved checkpoint's time to live, as tinker 0.38's save_state documents it
 log = logging.getLogger(__name__)
 TINKER_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "gspo")  # served by Tinker itself
 
@@ -70,6 +71,7 @@ class TinkerBackend(TrainingBackend):
         seed: int = 0,
         base_url: str = "",
         load_checkpoint: str = "",
+        checkpoint_ttl_s: int = 0,
         service_client: Any = None,
     ):
         if lora_rank <= 0:
@@ -80,6 +82,12 @@ class TinkerBackend(TrainingBackend):
             raise BackendError(
                 "backend=tinker trains LoRA adapters only, not a logit scale: set model.logit_scale=false"
             )
+        if checkpoint_ttl_s and not TTL_RANGE_S[0] <= checkpoint_ttl_s <= TTL_RANGE_S[1]:
+            raise BackendError(
+                f"backend.checkpoint_ttl_s={checkpoint_ttl_s}: the service keeps a checkpoint from {TTL_RANGE_S[0]} s "
+                f"(an hour) to {TTL_RANGE_S[1]} s (ten years); 0 keeps it until it is deleted"
+            )
+        self.ttl_s = checkpoint_ttl_s or None  # None: the SDK's "never expires"
         unknown = set(lora_targets or ()) - ATTENTION - MLP - {"lm_head", "unembed"}
         if unknown:
             raise BackendError(
@@ -146,8 +154,8 @@ class TinkerBackend(TrainingBackend):
     def save_state(self, name: str) -> str:
         """The state (weights and optimizer) at `tinker://…/weights/name`, and the weights for sampling beside it
         at `…/sampler_weights/name`, where `sampling_client` finds them: an eval then needs no training client."""
-        sampler_save = self.client.save_weights_for_sampler(name)
-        path = self.client.save_state(name).result().path
+        sampler_save = self.client.save_weights_for_sampler(name, ttl_seconds=self.ttl_s)
+        path = self.client.save_state(name, ttl_seconds=self.ttl_s).result().path
         sampler_save.result()
         return path
 
