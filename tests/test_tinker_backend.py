@@ -53,10 +53,10 @@ class StandInTraining:
         self.log.append(f"submit optim_step lr={adam.learning_rate}")
         return StandInFuture(self.log, "optim_step", SimpleNamespace(metrics={"optim/grad_norm": 0.1}))
 
-    def save_state(self, name):
+    def save_state(self, name, ttl_seconds=None):
         return StandInFuture(self.log, "save_state", SimpleNamespace(path=f"tinker://run-1/weights/{name}"))
 
-    def save_weights_for_sampler(self, name):
+    def save_weights_for_sampler(self, name, ttl_seconds=None):
         self.log.append(f"save_weights_for_sampler {name}")
         return StandInFuture(
             self.log, "save_weights_for_sampler", SimpleNamespace(path=f"tinker://run-1/sampler_weights/{name}")

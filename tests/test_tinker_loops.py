@@ -82,13 +82,13 @@ class StandInTraining:
             lambda: SimpleNamespace(metrics={f"optim/{k}": v for k, v in self.local.optim_step(adam).result().items()}),
         )
 
-    def save_state(self, name):
+    def save_state(self, name, ttl_seconds=None):
         path = self.local.save_state(name)
         return Later(
             self.log, "save_state", lambda: SimpleNamespace(path=f"{self.service.root}/weights/{Path(path).name}")
         )
 
-    def save_weights_for_sampler(self, name):
+    def save_weights_for_sampler(self, name, ttl_seconds=None):
         self.log.append(f"save_weights_for_sampler {name}")
         self.local.save_state(name)  # the stand-in keeps a checkpoint's sampler weights in its state's folder
         return Later(
@@ -202,9 +202,6 @@ class StandInService:
             return training
 
         return Later(self.log, "create", client)
-
-    def create_rest_client(self):
-        return StandInRest(self)
 
 
 class StandInRest:

@@ -153,27 +153,38 @@ def _plain_state_dict(lm, scale: float) -> dict[str, torch.Tensor]:
 # ---- backend=tinker ----
 
 
-def export_tinker(service: Any, checkpoint: str, folder: Path, base_model: str, tokenizer: Any) -> Export:
+def export_tinker(
+    service: Any, checkpoint: str, folder: Path, base_model: str, tokenizer: Any, base_url: str = ""
+) -> Export:
     """Download `checkpoint` (a `tinker://…/weights/…` state) through `service` and write it as a PEFT adapter."""
     if not checkpoint.startswith("tinker://") or "/weights/" not in checkpoint:
         raise ExportError(f"backend=tinker exports tinker://…/weights/… checkpoints (save_state's), not {checkpoint!r}")
     partial = _fresh(folder / "adapter")
     with tempfile.TemporaryDirectory(dir=folder) as raw:
-        _download_tinker(service, checkpoint, Path(raw))
+        _download_tinker(service, checkpoint, Path(raw), base_url)
         convert_tinker_adapter(Path(raw), partial, base_model)
     tokenizer.save_pretrained(partial)
     return _publish(partial, folder / "adapter", Export(str(folder / "adapter"), "adapter", base_model), checkpoint)
 
 
-def _download_tinker(service: Any, checkpoint: str, into: Path) -> None:
-    """The files of `checkpoint`'s weights, exported by the service as external weights, into `into`."""
-    training = service.create_training_client_from_state(checkpoint).result()
+def _download_tinker(service: Any, checkpoint: str, into: Path, base_url: str = "") -> None:
+    """The files of `checkpoint`'s weights, exported by the service as external weights, into `into`. The clients
+    as tinker 0.38 wants them made: the training client from the checkpoint's state (tinker_compat copes with a server
+    that refuses that call), the REST client directly (`ServiceClient.create_rest_client` is deprecated)."""
+    import tinker
+
+    from tbexp.backends.tinker_compat import training_client_from_state
+
+    def rest_client() -> Any:
+        return tinker.RestClient(base_url=base_url or None)
+
+    training = training_client_from_state(service, rest_client, checkpoint, optimizer=False)
     external = (
         training.save_weights_external(f"export-{checkpoint.rsplit('/', 1)[-1]}", ttl_seconds=EXTERNAL_TTL_S)
         .result()
         .path
     )
-    rest = service.create_rest_client()
+    rest = rest_client()
     try:
         urls = rest.get_external_weights_urls(external).result().urls
         if not urls:

@@ -202,7 +202,7 @@ class TinkerBackend(TrainingBackend):
         from tbexp.backends.adapters import export_tinker
 
         try:
-            return export_tinker(self.service, checkpoint, Path(folder), self.base_model, self.tokenizer)
+            return export_tinker(self.service, checkpoint, Path(folder), self.base_model, self.tokenizer, self.base_url)
         except Exception as err:  # noqa: BLE001 - the trained checkpoint is the stage's result; the export a copy
             return Export("", "none", self.base_model, error=f"{type(err).__name__}: {err}", checkpoint=checkpoint)
 
