@@ -55,3 +55,35 @@ def test_the_recipe_runs_end_to_end_through_the_server(rootfs, tmp_path, tinker_
     assert chosen in stored and chosen.replace("step-00002", "step-00001") not in stored, stored
     rewards = {row: round(summary[row]["eval/reward"], 3) for row in ("base", "sft", "rl")}
     print(f"\nthe miniature recipe through SkyRL's Tinker server: {took:.0f} s; held-out reward {rewards}")
+
+
+def test_harbors_harness_evaluates_through_the_server(rootfs, tmp_path, tinker_server):
+    """`eval.harness=harbor` with `backend=tinker`: Harbor's trials run tbexp's raw-command agent over the server's
+    sampler (Harbor's BaseLLM is tbexp's TbexpLLM, each reply one sample from the server), Harbor's verifier scores."""
+    run = tmp_path / "run"
+    args = [
+        "stage=eval",
+        "policy=model",
+        "eval.harness=harbor",
+        "backend=tinker",
+        f"backend.base_url={tinker_server}",
+        "model.logit_scale=false",
+        "logger=none",
+        "tasks.heldout_per_family=1",
+        "tasks.families=[file-move,needle-file]",
+        "eval.n_runs=1",
+        "eval.concurrency=2",
+        "sampling.max_tokens=24",
+        "agent.max_turns=2",
+        f"tasks.cache_dir={tmp_path / 'cache' / 'tasks'}",
+        f"hydra.run.dir={run}",
+    ]
+    out = subprocess.run([sys.executable, "-m", "tbexp", *args], cwd=REPO, capture_output=True, text=True, timeout=1500)
+    assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-4000:])
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["eval/episodes"] == 2.0 and summary["eval/invalid_episodes"] == 0.0, summary
+    results = sorted(run.glob("**/trials/*/result.json"))
+    assert len(results) == 2, results  # Harbor's own trials, each with its verifier's result
+    for result in results:
+        detail = json.loads(result.read_text())["agent_result"]["rollout_details"][0]
+        assert detail["completion_token_ids"] and all(lp <= 0 for turn in detail["logprobs"] for lp in turn)
