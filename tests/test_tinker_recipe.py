@@ -87,3 +87,46 @@ def test_harbors_harness_evaluates_through_the_server(rootfs, tmp_path, tinker_s
     for result in results:
         detail = json.loads(result.read_text())["agent_result"]["rollout_details"][0]
         assert detail["completion_token_ids"] and all(lp <= 0 for turn in detail["logprobs"] for lp in turn)
+
+
+def test_a_model_on_the_server_is_a_teacher_whose_collection_resumes(rootfs, tmp_path, tinker_server):
+    """`stage=collect policy=model backend=tinker`: the teacher is a sampling client of a model the service serves
+    (here the shipped tiny one). Its rows say so, only verified successes are kept, a data card is written, and a
+    second run of the same collection samples nothing (the ledger: no episode paid for twice)."""
+    data = tmp_path / "teacher.jsonl"
+    args = [
+        "stage=collect",
+        "policy=model",
+        "backend=tinker",
+        f"backend.base_url={tinker_server}",
+        "model.logit_scale=false",
+        "logger=none",
+        "tasks.families=[file-move]",
+        "tasks.limit=2",
+        "collect.n_runs=2",
+        "collect.concurrency=4",
+        "sampling.max_tokens=24",
+        "agent.max_turns=2",
+        f"collect.data={data}",
+        f"tasks.cache_dir={tmp_path / 'cache' / 'tasks'}",
+    ]
+    for attempt in ("first", "again"):
+        run = tmp_path / attempt
+        out = subprocess.run(
+            [sys.executable, "-m", "tbexp", *args, f"hydra.run.dir={run}"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=1500,
+        )
+        assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-4000:])
+        summary = json.loads((run / "summary.json").read_text())
+        assert summary["collect/episodes"] == 4.0, summary
+        resumed = summary["collect/resumed_episodes"]
+        assert resumed == (0.0 if attempt == "first" else 4.0), summary  # the second run samples nothing
+    ledger = [json.loads(line) for line in (tmp_path / "teacher.ledger.jsonl").read_text().splitlines()]
+    episodes = [row for row in ledger if "task" in row]
+    assert len(episodes) == 4 and {row["teacher"] for row in episodes} == {"tinker:tiny:base"}, ledger[:2]
+    kept = [json.loads(line) for line in data.read_text().splitlines()]
+    assert all(row["verdict"]["strict"] for row in kept)  # rejection sampling: verified successes only
+    assert (tmp_path / "teacher.card.json").is_file()

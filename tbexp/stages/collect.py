@@ -150,8 +150,9 @@ def _teacher_name(job: Job, policy: str, runtime: Any) -> str:
     """Who wrote the replies, as rows record it."""
     if policy == "teacher":
         return str(runtime.settings.name)
-    if policy == "model":
-        return f"model:{job.cfg.model.name}:{job.cfg.load_checkpoint or 'base'}"
+    if policy == "model":  # backend=tinker: a sampling client of any model the service serves is the teacher
+        where = "tinker" if job.cfg.backend.name == "tinker" else "model"
+        return f"{where}:{job.cfg.model.name}:{job.cfg.load_checkpoint or 'base'}"
     return policy
 
 
