@@ -154,6 +154,8 @@ class ModelHost:
         if probe is None:
             return
         c = self.cfg
+        if c.policy != "model" and c.stage.name not in ("sft", "grpo", "pipeline"):
+            return  # the oracle, the do-nothing policy or a teacher endpoint: this job never calls the service
         rl = c.stage.name == "grpo" or (c.stage.name == "pipeline" and "grpo" in c.pipeline.stages)
         probe([c.grpo.loss_fn] if rl else [])
 

@@ -110,6 +110,25 @@ def test_no_credential_stops_at_once_saying_what_to_set(monkeypatch, tmp_path):
         TinkerBackend("Qwen/Qwen3-8B", lora_rank=32)
 
 
+@pytest.mark.parametrize(
+    "policy,stage,asks", [("oracle", "eval", False), ("nop", "check", False), ("model", "eval", True)]
+)
+def test_only_a_job_that_samples_or_trains_asks_the_service(monkeypatch, tmp_path, policy, stage, asks):
+    """The probe before any work: an oracle eval with backend=tinker (a sweep's config, say) never calls the service,
+    so it needs no credential; before, it was refused for the missing key (tests/test_redaction.py caught it)."""
+    from tests.conftest import compose_job
+
+    monkeypatch.delenv("TINKER_API_KEY", raising=False)
+    monkeypatch.delenv("TINKER_CREDENTIAL_CMD", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    models = compose_job("backend=tinker", f"stage={stage}", f"policy={policy}").models
+    if asks:
+        with pytest.raises(BackendError, match="no Tinker credential"):
+            models.probe()
+    else:
+        models.probe()
+
+
 def test_the_sdks_other_credentials_are_accepted(monkeypatch, tmp_path):
     """TINKER_CREDENTIAL_CMD (and a key stored by `tinker auth login`) are the SDK's own; before, tbexp refused
     every run without TINKER_API_KEY. Nothing is called: the connection is made, not used."""
