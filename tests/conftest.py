@@ -27,6 +27,7 @@ try:  # the Docker engine fixture lives beside the Docker tests
     from tests.docker_service import docker_engine  # noqa: F401
 except ImportError:  # pragma: no cover - only while the Docker tests are absent
     pass
+from tests.tinker_server import tinker_server, tinker_service  # noqa: F401, E402  (one server for the session)
 
 
 @pytest.fixture(autouse=True)

@@ -17,7 +17,6 @@ import pytest
 
 from tests.conftest import REPO
 from tests.test_pipeline_stage import MINIATURE
-from tests.tinker_server import tinker_server  # noqa: F401
 
 pytestmark = [pytest.mark.slow, pytest.mark.sandbox]
 

@@ -17,7 +17,6 @@ from tinker import types
 from tbexp.backends.tinker_backend import BackendError, TinkerBackend, sampling_client
 from tbexp.models import TINY_DIR
 from tests.conftest import compose_config
-from tests.tinker_server import tinker_server  # noqa: F401
 
 pytestmark = pytest.mark.slow
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # model=tiny's
