@@ -4,7 +4,8 @@
 it did not), with the script's last lines. `skip_or_fail(what, reason,
 require_env)` skips the calling test with that reason, or fails it when the
 environment variable `require_env` is 1 (CI machines that are meant to have
-the service).
+the service). `tbexp_serve(log, *args)` runs `python -m tbexp.serve ARGS` on a
+free port and yields its base URL.
 """
 
 from __future__ import annotations
@@ -12,11 +13,45 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+SERVE_START_TIMEOUT_S = 300  # a loaded machine takes a minute to import torch and load the model
+
+
+@contextmanager
+def tbexp_serve(log: Path, *args: str) -> Iterator[str]:
+    """`python -m tbexp.serve ARGS` on a free port, its stderr in the file `log` (not a pipe nobody reads, which could
+    fill up); yields the base URL (…/v1) from the line it prints when ready, and stops the server after."""
+    repo = SCRIPTS.parent
+    env = {**os.environ, "PYTHONPATH": str(repo), "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tbexp.serve", *args, "--port", "0", "--quiet"],
+        cwd=repo,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=log.open("w"),
+        text=True,
+    )
+    assert process.stdout is not None
+    stdout = process.stdout
+    ready: list[str] = []
+    reader = threading.Thread(target=lambda: ready.append(stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(SERVE_START_TIMEOUT_S)
+    if not ready or "http://" not in ready[0]:
+        process.kill()
+        pytest.fail(f"the server did not start: {ready} {log.read_text()[-2000:]}")
+    try:
+        yield ready[0].split()[-1]
+    finally:
+        process.terminate()
+        process.wait(30)
 
 
 def run_script(

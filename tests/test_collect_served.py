@@ -10,40 +10,19 @@ pipeline: every episode entered with its verdict and the server's token counts, 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import threading
 
 import pytest
 
-from tests.conftest import REPO, compose_job, make_task
-
-START_TIMEOUT_S = 300
+from tests.conftest import compose_job, make_task
+from tests.services import tbexp_serve
 
 
 @pytest.fixture(scope="module", params=[("raw_command", "tiny"), ("terminus_2", "tiny_terminus")])
 def served(request, tmp_path_factory):
     """(agent, model, base URL) of `python -m tbexp.serve base model=<model>` on a free port."""
     agent, model = request.param
-    log = tmp_path_factory.mktemp("serve") / "stderr.txt"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "tbexp.serve", "base", f"model={model}", "--port", "0", "--quiet"],
-        cwd=REPO,
-        env={**__import__("os").environ, "PYTHONPATH": str(REPO)},
-        stdout=subprocess.PIPE,
-        stderr=log.open("w"),
-        text=True,
-    )
-    ready: list[str] = []
-    reader = threading.Thread(target=lambda: ready.append(process.stdout.readline()), daemon=True)
-    reader.start()
-    reader.join(START_TIMEOUT_S)
-    if not ready or "http://" not in ready[0]:
-        process.kill()
-        pytest.fail(f"the server did not start: {ready} {log.read_text()[-2000:]}")
-    yield agent, model, ready[0].split()[-1]
-    process.terminate()
-    process.wait(30)
+    with tbexp_serve(tmp_path_factory.mktemp("serve") / "stderr.txt", "base", f"model={model}") as url:
+        yield agent, model, url
 
 
 @pytest.mark.sandbox

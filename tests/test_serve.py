@@ -13,9 +13,6 @@ import asyncio
 import json
 import os
 import socket
-import subprocess
-import sys
-import threading
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -23,12 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, compose_config, compose_job
+from tests.conftest import compose_config, compose_job
+from tests.services import tbexp_serve
 
 os.environ["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"  # before harbor or litellm is imported: no network lookup
 
 LOGPROB_TOLERANCE = 1e-4
-START_TIMEOUT_S = 300  # a loaded machine takes a minute to import torch and load the model
 MODEL_INFO = {
     "max_input_tokens": 2048,
     "max_output_tokens": 2048,
@@ -36,10 +33,6 @@ MODEL_INFO = {
     "output_cost_per_token": 0.0,
 }
 PROMPT = "list the files in /app"
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(REPO), "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
 
 
 def _datum(renderer):
@@ -82,25 +75,8 @@ def checkpoint(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory):
     """The server's base URL (…/v1), from the line it prints when ready."""
-    log = tmp_path_factory.mktemp("server") / "stderr.txt"  # a file, not a pipe nobody reads, which could fill up
-    process = subprocess.Popen(
-        [sys.executable, "-m", "tbexp.serve", str(checkpoint), "--port", "0", "--quiet"],
-        cwd=REPO,
-        env=_env(),
-        stdout=subprocess.PIPE,
-        stderr=log.open("w"),
-        text=True,
-    )
-    ready: list[str] = []
-    reader = threading.Thread(target=lambda: ready.append(process.stdout.readline()), daemon=True)
-    reader.start()
-    reader.join(START_TIMEOUT_S)
-    if not ready or "http://" not in ready[0]:
-        process.kill()
-        pytest.fail(f"the server did not start: {ready} {log.read_text()[-2000:]}")
-    yield ready[0].split()[-1]
-    process.terminate()
-    process.wait(30)
+    with tbexp_serve(tmp_path_factory.mktemp("server") / "stderr.txt", str(checkpoint)) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
